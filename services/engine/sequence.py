@@ -1,0 +1,131 @@
+"""Sequences and sequence groups: the engine's state of each request (never crosses a socket)."""
+import enum
+import time
+from dataclasses import dataclass, field
+
+from shared.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    SWAPPED = enum.auto()
+    FINISHED_STOPPED = enum.auto()  # EOS, a stop token id or a stop string
+    FINISHED_LENGTH = enum.auto()  # max_tokens or max_model_len
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
+                        SequenceStatus.FINISHED_ABORTED)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {SequenceStatus.FINISHED_STOPPED: "stop", SequenceStatus.FINISHED_LENGTH: "length",
+                SequenceStatus.FINISHED_ABORTED: "abort"}.get(self)
+
+
+class Sequence:
+    """One sequence of tokens: the prompt and what has been generated after it."""
+
+    def __init__(self, seq_id: int, prompt_token_ids: list[int], sample_index: int = 0):
+        self.seq_id = seq_id
+        self.prompt_len = len(prompt_token_ids)
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.sample_index = sample_index
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache (or scheduled to be)
+        self.cumulative_logprob = 0.0
+        self.output_logprobs: list[dict[int, float]] = []  # per output token, when asked
+        self.output_text = ""
+        self.stop_reason: int | str | None = None
+        # What the worker holds of this sequence: see proto.SequenceData.
+        self.worker_synced = False  # the worker has this sequence's tokens
+        self.num_blocks_sent = 0  # block table entries the worker has
+        self.parent_seq_id = -1  # set on a fork until the worker has seen the child
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_token(self, token_id: int, logprob: float, top: dict[int, float] | None) -> None:
+        self.token_ids.append(token_id)
+        self.cumulative_logprob += logprob
+        if top is not None:
+            self.output_logprobs.append(top)
+
+    def reset_for_recompute(self) -> None:
+        """Preempted by recompute: the KV cache is gone, the tokens stay."""
+        self.num_computed_tokens = 0
+        self.worker_synced = False
+        self.num_blocks_sent = 0
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    time_in_queue: float | None = None
+
+
+class SequenceGroup:
+    """One request: its sequences (n > 1 forks more after the prompt), parameters and timing."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 sampling_params: SamplingParams, first_seq: Sequence, seed: int,
+                 eos_token_ids: list[int], arrival_time: float | None = None):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.seqs: list[Sequence] = [first_seq]
+        self.seed = seed
+        self.eos_token_ids = eos_token_ids
+        self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
+        self.params_sent = False  # the worker has this request's sampling parameters
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] if sampling_params.prompt_logprobs is not None else None)
+
+    @property
+    def first_seq(self) -> Sequence:
+        return self.seqs[0]
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
+        if status is None:
+            return list(self.seqs)
+        return [s for s in self.seqs if s.status == status]
+
+    def unfinished_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.is_finished()]
+
+    def is_finished(self) -> bool:
+        return all(s.is_finished() for s in self.seqs)
+
+    def is_prefill(self) -> bool:
+        return any(s.num_uncomputed_tokens > 1 for s in self.unfinished_seqs()) or (
+            self.first_seq.num_computed_tokens < self.prompt_len)

@@ -1,0 +1,1 @@
+"""Code every pagoda service uses: configuration, sampling parameters, logging, ZMQ helpers."""

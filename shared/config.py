@@ -1,0 +1,255 @@
+"""Configuration: flat user arguments (`EngineArgs`) -> one config object per component.
+
+Configuration flows one way: `EngineArgs.create_engine_config()` checks every value and builds
+`PagodaConfig`, and each component reads its own part of it. A bad value fails here, at creation,
+with a message that names the field.
+"""
+import argparse
+import dataclasses
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from shared.model_source import ModelSource, resolve_model
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value; the message starts with the field's name."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+@dataclass
+class ModelConfig:
+    source: ModelSource
+    tokenizer: str  # folder (or GGUF file) the tokenizer loads from
+    dtype: torch.dtype
+    seed: int
+    max_model_len: int
+    hf_config: object = field(repr=False)  # transformers.PretrainedConfig of the architecture
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        c = self.hf_config
+        return getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        c = self.hf_config
+        return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+
+@dataclass
+class CacheConfig:
+    block_size: int
+    gpu_memory_utilization: float
+    kv_cache_space_gib: float | None  # CPU device: the KV cache's size
+    swap_space_gib: float  # CPU memory for swapped-out blocks
+    num_gpu_blocks_override: int | None
+    enable_prefix_caching: bool
+    # Filled in after the profile run (Executor.determine_num_available_blocks).
+    num_device_blocks: int | None = None
+    num_cpu_blocks: int | None = None
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool
+    preemption_mode: str  # "recompute" or "swap"
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int
+
+
+@dataclass
+class DeviceConfig:
+    device: torch.device
+
+
+@dataclass
+class LoadConfig:
+    load_format: str  # "auto", "safetensors" or "gguf"
+
+
+@dataclass
+class PagodaConfig:
+    """Everything one engine replica needs; each component takes its part."""
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig
+    device_config: DeviceConfig
+    load_config: LoadConfig
+
+
+def load_hf_config(source: ModelSource):
+    from transformers import AutoConfig
+    if source.gguf_file:
+        return AutoConfig.from_pretrained(source.folder, gguf_file=source.gguf_file)
+    return AutoConfig.from_pretrained(source.folder)
+
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+@dataclass
+class EngineArgs:
+    """Flat user arguments; every field is also a command-line flag (`--max-num-seqs`)."""
+    model: str | None = None  # local HF folder or GGUF file; None = the default model
+    tokenizer: str | None = None
+    dtype: str = "auto"  # auto (= float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_space_gib: float = 2.0  # KV cache size when the device is the CPU
+    swap_space: float = 1.0  # GiB of CPU memory for swapped-out blocks
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    preemption_mode: str = "recompute"
+    tensor_parallel_size: int = 1
+    device: str = "auto"  # auto, cpu, cuda, cuda:N
+    load_format: str = "auto"
+
+    def create_engine_config(self) -> PagodaConfig:
+        device = self._device()
+        dtype = self._dtype(device)
+        source = resolve_model(self.model)
+        hf_config = load_hf_config(source)
+        model_type = getattr(hf_config, "model_type", None)
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError("model", f"architecture {model_type!r} is not supported "
+                                       f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+        max_model_len = self.max_model_len or limit
+        if max_model_len <= 0:
+            raise ConfigError("max_model_len", f"must be positive, got {max_model_len}")
+        if max_model_len > limit:
+            raise ConfigError("max_model_len", f"{max_model_len} exceeds the model's "
+                                               f"max_position_embeddings ({limit})")
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ConfigError("block_size", f"must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError("gpu_memory_utilization",
+                              f"must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_space_gib <= 0:
+            raise ConfigError("kv_cache_space_gib", f"must be positive, got {self.kv_cache_space_gib}")
+        if self.swap_space < 0:
+            raise ConfigError("swap_space", f"must be >= 0, got {self.swap_space}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override <= 0:
+            raise ConfigError("num_gpu_blocks_override",
+                              f"must be positive, got {self.num_gpu_blocks_override}")
+        if self.max_num_seqs <= 0:
+            raise ConfigError("max_num_seqs", f"must be positive, got {self.max_num_seqs}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ConfigError("preemption_mode",
+                              f"must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.preemption_mode == "swap" and self.swap_space <= 0:
+            raise ConfigError("swap_space", "preemption_mode 'swap' needs swap_space > 0")
+        if self.tensor_parallel_size != 1:
+            raise ConfigError("tensor_parallel_size",
+                              f"only 1 is supported so far, got {self.tensor_parallel_size}")
+        if self.load_format not in ("auto", "safetensors", "gguf"):
+            raise ConfigError("load_format", f"must be auto, safetensors or gguf, got {self.load_format!r}")
+        max_batched = self.max_num_batched_tokens
+        if max_batched is None:
+            # Chunked prefill keeps steps short so decodes are not starved by long prompts.
+            max_batched = 512 if self.enable_chunked_prefill else max(max_model_len, 2048)
+        if max_batched <= 0:
+            raise ConfigError("max_num_batched_tokens", f"must be positive, got {max_batched}")
+        if not self.enable_chunked_prefill and max_batched < max_model_len:
+            raise ConfigError("max_num_batched_tokens",
+                              f"{max_batched} is smaller than max_model_len ({max_model_len}); "
+                              f"without chunked prefill a whole prompt must fit in one step")
+        if max_batched < self.max_num_seqs and not self.enable_chunked_prefill:
+            max_batched = self.max_num_seqs
+        return PagodaConfig(
+            model_config=ModelConfig(
+                source=source, tokenizer=self.tokenizer or source.path, dtype=dtype,
+                seed=self.seed, max_model_len=max_model_len, hf_config=hf_config),
+            cache_config=CacheConfig(
+                block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
+                kv_cache_space_gib=self.kv_cache_space_gib, swap_space_gib=self.swap_space,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+                enable_prefix_caching=self.enable_prefix_caching),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_batched,
+                max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
+                preemption_mode=self.preemption_mode),
+            parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            device_config=DeviceConfig(device=device),
+            load_config=LoadConfig(load_format=self.load_format),
+        )
+
+    def _device(self) -> torch.device:
+        name = self.device
+        if name == "auto":
+            name = "cuda" if torch.cuda.is_available() else "cpu"
+        try:
+            device = torch.device(name)
+        except RuntimeError as e:
+            raise ConfigError("device", f"{name!r} is not a device ({e})") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device", "cuda was asked for but no CUDA device is available")
+        if device.type not in ("cpu", "cuda"):
+            raise ConfigError("device", f"must be cpu or cuda, got {name!r}")
+        return device
+
+    def _dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.float32 if device.type == "cpu" else torch.bfloat16
+        if self.dtype not in _DTYPES:
+            raise ConfigError("dtype", f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        return _DTYPES[self.dtype]
+
+    # -- command line ---------------------------------------------------------------------------
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        group = parser.add_argument_group("engine")
+        for f in fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            default = f.default
+            if f.type in (bool, "bool"):
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+            else:
+                group.add_argument(flag, type=_cli_type(f.type), default=default)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _cli_type(annotation):
+    text = str(annotation)
+    if "float" in text:
+        return float
+    if "int" in text:
+        return int
+    return str

@@ -1,0 +1,102 @@
+"""SamplingParams: how to sample one request, with vLLM's names and checks."""
+import math
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
+
+
+class SamplingParamsError(ValueError):
+    """A bad sampling parameter; `field` names it."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no limit
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None  # number of top alternatives returned per generated token
+    prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._verify()
+
+    def _verify(self):
+        def fail(name, msg):
+            raise SamplingParamsError(name, msg)
+
+        def number(name, lo=None, hi=None, lo_open=False):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                fail(name, f"must be a finite number, got {v!r}")
+            if lo is not None and (v < lo or (lo_open and v == lo)):
+                fail(name, f"must be {'>' if lo_open else '>='} {lo}, got {v}")
+            if hi is not None and v > hi:
+                fail(name, f"must be <= {hi}, got {v}")
+
+        def integer(name, lo=None):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                fail(name, f"must be an integer, got {v!r}")
+            if lo is not None and v < lo:
+                fail(name, f"must be >= {lo}, got {v}")
+
+        integer("n", 1)
+        number("presence_penalty", -2.0, 2.0)
+        number("frequency_penalty", -2.0, 2.0)
+        number("repetition_penalty", 0.0, lo_open=True)
+        number("temperature", 0.0)
+        number("top_p", 0.0, 1.0, lo_open=True)
+        integer("top_k", 0)
+        number("min_p", 0.0, 1.0)
+        if self.seed is not None:
+            integer("seed")
+        if self.max_tokens is not None:
+            integer("max_tokens", 1)
+        integer("min_tokens", 0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            fail("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                integer(name, 0)
+                if getattr(self, name) > 20:
+                    fail(name, f"must be <= 20, got {getattr(self, name)}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            fail("stop", "must be non-empty strings")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            fail("stop_token_ids", "must be non-negative integers")
+        if self.n > 1 and self.is_greedy:
+            # n greedy samples would be n copies of one completion.
+            fail("n", "n > 1 needs temperature > 0 (greedy sampling gives identical completions)")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
