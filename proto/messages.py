@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 
 from shared.sampling_params import SamplingParams
 
+# A token id the engine has not read yet (its step is still in flight): the worker has it.
+PLACEHOLDER = -1
+
 
 @dataclass
 class SequenceData:
@@ -43,6 +46,9 @@ class SequenceGroupMetadata:
     prompt_len: int = 0
     # Sent the first time the worker sees the request (None afterwards: the worker cached it).
     sampling_params: SamplingParams | None = None
+    # Ids that end the request (EOS and stop token ids), masked while min_tokens is not reached;
+    # sent with `sampling_params`.
+    eos_token_ids: list[int] = field(default_factory=list)
     # Per-request random stream: with the same seed the same tokens come out, whatever the batch.
     seed: int = 0
 

@@ -1,0 +1,26 @@
+"""Messages that set the stack up: registration of stateless processes and engine→worker calls."""
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Register:
+    """A process announces itself to the engine it connected to; repeated as its heartbeat."""
+    service: str  # "worker", "detokenizer", "tokenizer"
+    instance_id: str  # unique per process (host + pid)
+    rank: int = 0  # a worker's rank in its tensor-parallel group
+    ready: bool = True
+
+
+@dataclass
+class WorkerCall:
+    """engine → worker: one setup call of the executor interface (seed §5.3)."""
+    call_id: int
+    method: str  # "determine_num_available_blocks" | "initialize_cache"
+    args: list[int] = field(default_factory=list)
+
+
+@dataclass
+class WorkerReply:
+    call_id: int
+    result: list[int] = field(default_factory=list)
+    error: str | None = None

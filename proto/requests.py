@@ -1,0 +1,147 @@
+"""Messages between the gateway, tokenizers, the engine and detokenizers (design §2).
+
+Plain dataclasses; `proto.codec` turns each into a compact msgpack array. Token ids and logprobs
+are plain lists here and packed arrays on the wire. Per-step messages (`TokenDeltas`,
+`TextDeltas`) carry every request that advanced in the step, so a step costs one frame, not one
+per request.
+"""
+from dataclasses import dataclass, field
+
+from shared.sampling_params import SamplingParams
+
+
+@dataclass
+class ChatMessage:
+    role: str  # "system" | "user" | "assistant" | ...
+    content: str
+
+
+@dataclass
+class GenerateRequest:
+    """gateway → tokenizer: a request as the client gave it."""
+    request_id: str
+    # The gateway that holds the client's stream: outputs are routed back to it by this id.
+    gateway_id: str
+    # Text (completions), token ids (completions with a pre-tokenized prompt) or chat messages
+    # (the tokenizer applies the chat template).
+    prompt: str | list[int] | list[ChatMessage]
+    sampling_params: SamplingParams
+    arrival_time: float  # time.time() when the gateway received it, for latency metrics
+
+
+@dataclass
+class EngineRequest:
+    """tokenizer → engine: a checked, tokenized request, ready to schedule."""
+    request_id: str
+    gateway_id: str
+    prompt: str | None  # the prompt text, when there was one (for logs and echo)
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    # The tokenizer knows the model's end-of-sequence ids; the engine checks token ids only.
+    eos_token_ids: list[int]
+    arrival_time: float
+
+
+@dataclass
+class AbortRequest:
+    """gateway → engine: stop these requests (client gone, timeout) and free their blocks."""
+    request_ids: list[str]
+    reason: str
+
+
+@dataclass
+class FinishRequest:
+    """detokenizer → engine: these requests hit a stop string; finish them and free their blocks."""
+    request_ids: list[str]
+    reason: str
+
+
+@dataclass
+class SequenceTokenDelta:
+    """What one of a request's n sequences produced in a step."""
+    index: int  # which of the request's n samples
+    token_ids: list[int]  # new tokens this step
+    # Only when the request asked for logprobs; else empty, which costs a few bytes.
+    logprobs: list[float] = field(default_factory=list)  # of each new token
+    top_token_ids: list[list[int]] = field(default_factory=list)  # per new token
+    top_logprobs: list[list[float]] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort"; None while it runs
+    stop_reason: int | str | None = None  # the stop token id (or string) that finished it
+    num_output_tokens: int = 0  # generated so far, including this step's
+
+
+@dataclass
+class RequestTokenDelta:
+    request_id: str
+    gateway_id: str  # the detokenizer forwards the text to this gateway
+    num_prompt_tokens: int
+    sequences: list[SequenceTokenDelta]
+    # The first delta of a request (and any delta after a detokenizer restart) carries what the
+    # detokenizer needs to start: the request's parameters and the prompt's last tokens (context
+    # for the first word's spacing). Later deltas leave them empty.
+    sampling_params: SamplingParams | None = None
+    prompt_tail_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class TokenDeltas:
+    """engine → detokenizer: every request that advanced in one step."""
+    step_id: int
+    requests: list[RequestTokenDelta] = field(default_factory=list)
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int  # over all n sequences, as the OpenAI API counts it
+
+
+@dataclass
+class SequenceTextDelta:
+    """What one sequence adds to the client's stream."""
+    index: int
+    text: str  # new text since the last delta, stop strings already cut
+    token_ids: list[int]
+    # Only when the request asked for logprobs: per new token its text, its logprob and its top
+    # alternatives; texts come from the detokenizer so the gateway needs no tokenizer.
+    token_texts: list[str] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_token_ids: list[list[int]] = field(default_factory=list)
+    top_token_texts: list[list[str]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestTextDelta:
+    request_id: str
+    sequences: list[SequenceTextDelta]
+    usage: Usage
+
+
+@dataclass
+class TextDeltas:
+    """detokenizer → gateway: the text of every request of this gateway that advanced in a step."""
+    requests: list[RequestTextDelta] = field(default_factory=list)
+
+
+@dataclass
+class ErrorResponse:
+    """Sent back to a requester when its request cannot be served (bad prompt, too long, ...)."""
+    request_id: str | None  # None when the frame was too broken to read a request id from it
+    code: int  # HTTP status the gateway answers with: 400 bad request, 413, 429, 500, ...
+    message: str
+
+
+@dataclass
+class HealthRequest:
+    """Asked on a service's control socket; the answer is a `HealthResponse`."""
+
+
+@dataclass
+class HealthResponse:
+    service: str  # "engine", "tokenizer", ...
+    status: str  # "ok" | "starting" | "degraded"
+    # Flat values only, so any monitoring page can show them as they are.
+    details: dict[str, str | int | float | bool | None] = field(default_factory=dict)
