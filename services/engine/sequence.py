@@ -3,7 +3,10 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from proto.messages import PLACEHOLDER
 from shared.sampling_params import SamplingParams
+
+
 
 
 class SequenceStatus(enum.Enum):
@@ -43,21 +46,30 @@ class Sequence:
         self.worker_synced = False  # the worker has this sequence's tokens
         self.num_blocks_sent = 0  # block table entries the worker has
         self.parent_seq_id = -1  # set on a fork until the worker has seen the child
+        # Tokens scheduled to be sampled whose values the engine has not read yet (the step is in
+        # flight); they sit at the end of `token_ids` as PLACEHOLDER.
+        self.num_placeholders = 0
+        self.num_emitted = 0  # output tokens already sent downstream (engine service)
 
     def __len__(self) -> int:
+        """Tokens including in-flight placeholders: what the KV cache will hold."""
         return len(self.token_ids)
 
     @property
+    def num_known_tokens(self) -> int:
+        return len(self.token_ids) - self.num_placeholders
+
+    @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.prompt_len:]
+        return self.token_ids[self.prompt_len:self.num_known_tokens]
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.prompt_len
+        return self.num_known_tokens - self.prompt_len
 
     @property
     def last_token_id(self) -> int:
-        return self.token_ids[-1]
+        return self.token_ids[self.num_known_tokens - 1]
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -66,11 +78,24 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
-    def append_token(self, token_id: int, logprob: float, top: dict[int, float] | None) -> None:
-        self.token_ids.append(token_id)
+    def append_placeholder(self) -> None:
+        self.token_ids.append(PLACEHOLDER)
+        self.num_placeholders += 1
+
+    def fill_placeholder(self, token_id: int, logprob: float, top: dict[int, float] | None) -> None:
+        """The oldest in-flight sample arrived: put its token in place."""
+        assert self.num_placeholders > 0, f"seq {self.seq_id}: a sample nobody scheduled"
+        self.token_ids[len(self.token_ids) - self.num_placeholders] = token_id
+        self.num_placeholders -= 1
         self.cumulative_logprob += logprob
         if top is not None:
             self.output_logprobs.append(top)
+
+    def drop_placeholders(self) -> None:
+        """A finished sequence keeps only the tokens it really generated."""
+        if self.num_placeholders:
+            del self.token_ids[len(self.token_ids) - self.num_placeholders:]
+            self.num_placeholders = 0
 
     def reset_for_recompute(self) -> None:
         """Preempted by recompute: the KV cache is gone, the tokens stay."""
@@ -104,6 +129,8 @@ class SequenceGroup:
         self.eos_token_ids = eos_token_ids
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
         self.params_sent = False  # the worker has this request's sampling parameters
+        self.error: str | None = None  # why the engine could not serve it, if it could not
+        self.header_sent = False  # the detokenizer has this request's parameters
         self.prompt_logprobs: list[dict[int, float] | None] | None = (
             [None] if sampling_params.prompt_logprobs is not None else None)
 

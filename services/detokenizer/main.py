@@ -1,0 +1,108 @@
+"""`pagoda detokenizer`: token deltas in (from the engine), text deltas out (to each client).
+
+Start M of them with the same addresses; the engine sends all of a request's deltas to one.
+"""
+import argparse
+import os
+import signal
+import socket
+import time
+
+import zmq
+
+from proto.codec import CodecError, decode, encode
+from proto.control import Register
+from proto.requests import FinishRequest, RequestTextDelta, TextDeltas, TokenDeltas
+from shared.config import EngineArgs
+from shared.logging import configure, get_logger
+from shared.sockets import ControlServer, PushRoutes, make_socket
+from shared.stack_config import StackConfig
+from shared.tokenizer import get_tokenizer
+from services.detokenizer.detokenize import Detokenizer
+
+log = get_logger("detokenizer")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--instance", default="0", help="names this process's control socket")
+    parser.add_argument("--tokenizer", default=None, help="local tokenizer path (default: the model's)")
+    parser.add_argument("--model", default=None)
+    StackConfig.add_cli_args(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    configure("detokenizer")
+    DetokenizerService(args.tokenizer or args.model, StackConfig.from_cli_args(args),
+                       args.instance).serve()
+    return 0
+
+
+class DetokenizerService:
+    def __init__(self, tokenizer_path: str | None, stack: StackConfig, instance: str = "0"):
+        self.stack = stack
+        self.instance_id = f"{socket.gethostname()}-{os.getpid()}"
+        self.ctx = zmq.Context()
+        self.status = "starting"
+        self.steps = 0
+        self.control = ControlServer(self.ctx, stack.control_for("detokenizer", instance),
+                                     "detokenizer", self._health).start()
+        self.detokenizer = Detokenizer(get_tokenizer(tokenizer_path))
+        self.engine = make_socket(self.ctx, zmq.DEALER)
+        self.engine.setsockopt_string(zmq.IDENTITY, f"detok-{self.instance_id}")
+        self.engine.connect(stack.detokenizer_addr)
+        self.engine_input = make_socket(self.ctx, zmq.PUSH)
+        self.engine_input.connect(stack.engine_input)
+        self.routes = PushRoutes(self.ctx)
+        self._stop = False
+        self.status = "ok"
+
+    def _health(self) -> tuple[str, dict]:
+        return self.status, {"requests": len(self.detokenizer.requests), "steps": self.steps}
+
+    def serve(self) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_stop", True))
+        signal.signal(signal.SIGINT, lambda *_: setattr(self, "_stop", True))
+        heartbeat_every = self.stack.liveness_timeout_s / 4
+        last_beat = 0.0
+        log.info("detokenizer ready", engine=self.stack.detokenizer_addr)
+        try:
+            while not self._stop:
+                if time.monotonic() - last_beat > heartbeat_every:
+                    self.engine.send(encode(Register("detokenizer", self.instance_id)))
+                    last_beat = time.monotonic()
+                if not self.engine.poll(int(heartbeat_every * 1000)):
+                    continue
+                self._handle(self.engine.recv())
+        finally:
+            self.control.close()
+            for sock in (self.engine, self.engine_input):
+                sock.close(0)
+            self.routes.close()
+            self.ctx.term()
+
+    def _handle(self, frame: bytes) -> None:
+        try:
+            msg = decode(frame, TokenDeltas)
+        except CodecError as e:
+            log.warning("dropped a bad frame", error=str(e), size=len(frame))
+            return
+        self.steps += 1
+        by_gateway: dict[str, list[RequestTextDelta]] = {}
+        finished_here = []
+        for delta in msg.requests:
+            try:
+                text_delta, tell_engine = self.detokenizer.decode(delta)
+            except Exception:  # one bad request must not stop the others' streams
+                log.exception("detokenization failed", request_id=delta.request_id)
+                self.detokenizer.forget(delta.request_id)
+                continue
+            if text_delta is None:
+                log.warning("delta for an unknown request", request_id=delta.request_id)
+                continue
+            by_gateway.setdefault(delta.gateway_id, []).append(text_delta)
+            if tell_engine:
+                finished_here.append(delta.request_id)
+        for gateway, deltas in by_gateway.items():
+            self.routes.send(gateway, encode(TextDeltas(deltas)))
+        if finished_here:
+            self.engine_input.send(encode(FinishRequest(finished_here, "stop string")))

@@ -1,0 +1,84 @@
+"""The offline entry point: `LLM(model).generate(prompts, sampling_params)` (seed's LLM class)."""
+import itertools
+from collections.abc import Sequence as SequenceLike
+
+from tqdm.auto import tqdm
+
+from shared.config import EngineArgs
+from shared.sampling_params import SamplingParams
+from services.engine.llm_engine import LLMEngine
+from services.engine.outputs import RequestOutput
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args):
+        self.engine_args = EngineArgs(model=model, **engine_args)
+        self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
+        self.request_counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: str | list[str] | None = None,
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 prompt_token_ids: list[list[int]] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if prompts is None and prompt_token_ids is None:
+            raise ValueError("give prompts or prompt_token_ids")
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if prompt_token_ids is not None and prompt_token_ids and isinstance(prompt_token_ids[0], int):
+            prompt_token_ids = [prompt_token_ids]
+        num = len(prompts) if prompts is not None else len(prompt_token_ids)
+        if prompts is not None and prompt_token_ids is not None and len(prompt_token_ids) != num:
+            raise ValueError("prompts and prompt_token_ids differ in length")
+        params = self._params_list(sampling_params, num)
+        ids = []
+        for i in range(num):
+            request_id = str(next(self.request_counter))
+            self.llm_engine.add_request(
+                request_id, prompts[i] if prompts is not None else None, params[i],
+                prompt_token_ids=prompt_token_ids[i] if prompt_token_ids is not None else None)
+            ids.append(request_id)
+        return self._run_engine(ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             add_generation_prompt: bool = True, use_tqdm: bool = True) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.get_tokenizer()
+        prompts = [tokenizer.apply_chat_template(c, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt)
+                   for c in conversations]
+        # The template already holds any BOS token: encode without adding special tokens.
+        token_ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        return self.generate(prompts, sampling_params, prompt_token_ids=token_ids, use_tqdm=use_tqdm)
+
+    @staticmethod
+    def _params_list(sampling_params, num: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * num
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * num
+        if isinstance(sampling_params, SequenceLike) and len(sampling_params) == num:
+            return list(sampling_params)
+        raise ValueError(f"sampling_params must be one SamplingParams or a list of {num}")
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True,
+                   disable=not use_tqdm)
+        out_tokens = 0
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        out_tokens += sum(len(c.token_ids) for c in out.outputs)
+                        bar.update(1)
+                        elapsed = bar.format_dict["elapsed"] or 1e-9
+                        bar.set_postfix_str(f"output {out_tokens / elapsed:.1f} tok/s")
+        finally:
+            bar.close()
+        return [finished[r] for r in request_ids]

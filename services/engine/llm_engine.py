@@ -1,0 +1,285 @@
+"""LLMEngine: requests in, `step()` = schedule -> execute -> process outputs (seed §3)."""
+import itertools
+import random
+import time
+from dataclasses import dataclass
+
+import structlog
+
+from proto.messages import ExecuteModelRequest, SamplerOutput
+from shared.config import EngineArgs, PagodaConfig
+from shared.sampling_params import SamplingParams
+from shared.tokenizer import eos_token_ids, get_tokenizer
+from services.detokenizer.incremental import IncrementalDetokenizer
+from services.engine.executor import Executor
+from services.engine.outputs import CompletionOutput, RequestOutput
+from services.engine.scheduler import ScheduledSequenceGroup, Scheduler, SchedulerOutputs
+from services.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from services.engine.stop_checker import check_stop
+
+log = structlog.get_logger("engine")
+
+
+class PromptTooLongError(ValueError):
+    pass
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    kv_cache_usage: float
+    prefix_cache_hit_rate: float
+    num_preemptions: dict
+    last_step_tokens: int
+    num_steps: int
+    total_prompt_tokens: int
+    total_generation_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, config: PagodaConfig, executor_class: type[Executor], detokenize: bool = True):
+        """`detokenize=False`: the engine service, where tokenizer and detokenizer processes
+        handle text (prompts arrive as token ids, stop strings are checked downstream)."""
+        self.config = config
+        self.model_config = config.model_config
+        self.detokenize = detokenize
+        self.tokenizer = get_tokenizer(self.model_config.tokenizer) if detokenize else None
+        self.eos_token_ids = (eos_token_ids(self.tokenizer, self.model_config.hf_config)
+                              if detokenize else [])
+        self.executor = executor_class(config)
+        num_device_blocks, num_cpu_blocks = self.executor.determine_num_available_blocks()
+        if num_device_blocks <= 0:
+            raise RuntimeError("no memory left for the KV cache; lower max_num_batched_tokens "
+                               "or raise gpu_memory_utilization / kv_cache_space_gib")
+        self.executor.initialize_cache(num_device_blocks, num_cpu_blocks)
+        config.cache_config.num_device_blocks = num_device_blocks
+        config.cache_config.num_cpu_blocks = num_cpu_blocks
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config)
+        self.seq_counter = itertools.count()
+        self.step_counter = itertools.count()
+        self.rng = random.Random(self.model_config.seed)  # seeds for requests that give none
+        self.groups: dict[str, SequenceGroup] = {}
+        self.detokenizers: dict[int, IncrementalDetokenizer] = {}
+        self.last_step_tokens = 0
+        self.num_steps = 0
+        self.total_prompt_tokens = 0
+        self.total_generation_tokens = 0
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
+        config = engine_args.create_engine_config()
+        from services.engine.executor.uniproc import UniProcExecutor
+        return cls(config, UniProcExecutor)
+
+    # -- requests ------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | None, sampling_params: SamplingParams,
+                    prompt_token_ids: list[int] | None = None,
+                    arrival_time: float | None = None,
+                    eos_token_ids: list[int] | None = None) -> SequenceGroup:
+        if request_id in self.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if prompt_token_ids is None:
+            if prompt is None or self.tokenizer is None:
+                raise ValueError("give prompt_token_ids (this engine does not tokenize)"
+                                 if prompt is not None else "give a prompt or prompt_token_ids")
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        max_len = self.config.scheduler_config.max_model_len
+        if len(prompt_token_ids) >= max_len:
+            raise PromptTooLongError(
+                f"the prompt has {len(prompt_token_ids)} tokens; this model allows at most "
+                f"{max_len - 1} prompt tokens (max_model_len {max_len})")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        seed = sampling_params.seed if sampling_params.seed is not None else self.rng.getrandbits(31)
+        seq = Sequence(next(self.seq_counter), prompt_token_ids)
+        eos = self.eos_token_ids if eos_token_ids is None else eos_token_ids
+        group = SequenceGroup(request_id, prompt, prompt_token_ids, sampling_params, seq, seed,
+                              eos, arrival_time)
+        self.groups[request_id] = group
+        self.scheduler.add_seq_group(group)
+        return group
+
+    def abort_request(self, request_id: str | list[str]) -> list[SequenceGroup]:
+        aborted = self.scheduler.abort_seq_group(request_id)
+        for group in aborted:
+            self._forget(group)
+        return aborted
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_seqs()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished_seq_groups()
+
+    # -- the step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One synchronous step: schedule, execute, process. (The engine service overlaps them.)"""
+        request, sched = self.schedule_step()
+        if request is None:
+            groups = self.process_ignored(sched)
+        else:
+            groups = self.process_model_outputs(sched, self.executor.execute_model(request))
+        return [self.request_output(g) for g in groups]
+
+    def schedule_step(self) -> tuple[ExecuteModelRequest | None, SchedulerOutputs]:
+        """Schedule the next step. Its samples become placeholders in the sequences, so the
+        following step can be scheduled before this one's output is read."""
+        metadata, sched = self.scheduler.schedule()
+        if sched.is_empty():
+            return None, sched
+        for scheduled in sched.scheduled_seq_groups:
+            if scheduled.do_sample:
+                self._expect_samples(scheduled)
+        request = ExecuteModelRequest(
+            step_id=next(self.step_counter), seq_group_metadata_list=metadata,
+            blocks_to_swap_in=sched.blocks_to_swap_in, blocks_to_swap_out=sched.blocks_to_swap_out,
+            blocks_to_copy=sched.blocks_to_copy, finished_seq_ids=sched.finished_seq_ids)
+        return request, sched
+
+    def _expect_samples(self, scheduled: ScheduledSequenceGroup) -> None:
+        group = scheduled.seq_group
+        seqs = group.get_seqs(SequenceStatus.RUNNING)
+        n = group.sampling_params.n
+        if n > 1 and len(group.seqs) == 1 and seqs[0].num_output_tokens == 0:
+            # The prompt's last chunk: the worker samples all n first tokens from it. Fork the
+            # children now, so that they join the very next step in lockstep with the parent.
+            parent = seqs[0]
+            for j in range(1, n):
+                child = Sequence(next(self.seq_counter), group.prompt_token_ids, sample_index=j)
+                child.num_computed_tokens = parent.num_computed_tokens
+                child.status = SequenceStatus.RUNNING
+                child.parent_seq_id = parent.seq_id
+                self.scheduler.fork_seq(parent, child)
+                group.seqs.append(child)
+                seqs.append(child)
+        for seq in seqs:
+            seq.append_placeholder()
+
+    def process_ignored(self, sched: SchedulerOutputs) -> list[SequenceGroup]:
+        for group in sched.ignored_seq_groups:
+            group.error = (f"the request needs more KV cache than this engine has "
+                           f"(prompt of {group.prompt_len} tokens)")
+            self._forget(group)
+        return list(sched.ignored_seq_groups)
+
+    def process_model_outputs(self, sched: SchedulerOutputs,
+                              result: SamplerOutput) -> list[SequenceGroup]:
+        """Put the step's samples into their sequences and check stops. Returns the groups that
+        advanced (finished ones are already forgotten by the engine)."""
+        now = time.time()
+        updated = self.process_ignored(sched)
+        samples: dict[int, list[int]] = {}
+        for i, seq_id in enumerate(result.seq_ids):
+            samples.setdefault(seq_id, []).append(i)
+        prompt_lps = {p.seq_id: p for p in result.prompt_logprobs}
+        self.last_step_tokens = sched.num_batched_tokens
+        self.num_steps += 1
+        for scheduled in sched.scheduled_seq_groups:
+            group = scheduled.seq_group
+            if group.request_id not in self.groups:
+                continue  # aborted while the step was in flight
+            if group.prompt_logprobs is not None and group.first_seq.seq_id in prompt_lps:
+                self._append_prompt_logprobs(group, prompt_lps[group.first_seq.seq_id])
+            if scheduled.is_prompt:
+                self.total_prompt_tokens += scheduled.token_chunk_size
+            if not scheduled.do_sample:
+                continue
+            for seq in list(group.seqs):
+                idx = samples.get(seq.seq_id)
+                if not idx:
+                    continue
+                if len(idx) > 1:  # a fan-out: sample j belongs to the child with sample_index j
+                    by_index = {s.sample_index: s for s in group.seqs}
+                    pairs = [(by_index[j], i) for j, i in enumerate(idx)]
+                else:
+                    pairs = [(seq, idx[0])]
+                for target, i in pairs:
+                    if not target.is_finished():
+                        self._append_sample(group, target, result, i)
+            if group.metrics.first_token_time is None:
+                group.metrics.first_token_time = now
+            group.metrics.last_token_time = now
+            updated.append(group)
+        self.scheduler.free_finished_seq_groups()
+        for group in updated:
+            if group.is_finished():
+                group.metrics.finished_time = now
+                self._forget(group)
+        return updated
+
+    def _append_sample(self, group: SequenceGroup, seq: Sequence, result: SamplerOutput,
+                       i: int) -> None:
+        params = group.sampling_params
+        token = result.token_ids[i]
+        top = None
+        if params.logprobs is not None:
+            top = dict(zip(result.top_token_ids[i], result.top_logprobs[i]))
+            top[token] = result.logprobs[i]
+        seq.fill_placeholder(token, result.logprobs[i], top)
+        self.total_generation_tokens += 1
+        new_text_len = 0
+        if params.stop and self.detokenize:
+            detok = self.detokenizers.get(seq.seq_id)
+            if detok is None:
+                detok = self.detokenizers[seq.seq_id] = self._detokenizer(group)
+            new_text = detok.decode_incremental([token])
+            seq.output_text += new_text
+            new_text_len = len(new_text)
+        check_stop(seq, params, group.eos_token_ids, self.config.scheduler_config.max_model_len,
+                   new_text_len)
+        if seq.is_finished():
+            seq.drop_placeholders()
+
+    def _detokenizer(self, group: SequenceGroup) -> IncrementalDetokenizer:
+        p = group.sampling_params
+        return IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids,
+                                      p.skip_special_tokens, p.spaces_between_special_tokens)
+
+    def _append_prompt_logprobs(self, group: SequenceGroup, plp) -> None:
+        prompt = group.prompt_token_ids
+        for k, pos in enumerate(range(plp.start, plp.start + len(plp.token_logprobs))):
+            entry = dict(zip(plp.top_token_ids[k], plp.top_logprobs[k]))
+            entry[prompt[pos]] = plp.token_logprobs[k]
+            group.prompt_logprobs.append(entry)
+
+    # -- outputs -------------------------------------------------------------------------------
+    def request_output(self, group: SequenceGroup) -> RequestOutput:
+        finished = group.is_finished()
+        params = group.sampling_params
+        completions = []
+        for seq in sorted(group.seqs, key=lambda s: s.sample_index):
+            text = seq.output_text
+            if not params.stop and finished and self.tokenizer is not None:
+                # Without stop strings nothing needs text before the end: decode once.
+                text = self.tokenizer.decode(seq.output_token_ids,
+                                             skip_special_tokens=params.skip_special_tokens)
+            completions.append(CompletionOutput(
+                index=seq.sample_index, text=text, token_ids=list(seq.output_token_ids),
+                cumulative_logprob=seq.cumulative_logprob,
+                logprobs=seq.output_logprobs if params.logprobs is not None else None,
+                finish_reason=seq.status.finish_reason, stop_reason=seq.stop_reason))
+        return RequestOutput(
+            request_id=group.request_id, prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids, prompt_logprobs=group.prompt_logprobs,
+            outputs=completions, finished=finished, metrics=group.metrics, error=group.error)
+
+    def _forget(self, group: SequenceGroup) -> None:
+        self.groups.pop(group.request_id, None)
+        for seq in group.seqs:
+            self.detokenizers.pop(seq.seq_id, None)
+
+    def get_stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            num_running=len(s.running), num_waiting=len(s.waiting), num_swapped=len(s.swapped),
+            kv_cache_usage=s.block_manager.usage,
+            prefix_cache_hit_rate=s.block_manager.prefix_cache_hit_rate,
+            num_preemptions=dict(s.num_preemptions), last_step_tokens=self.last_step_tokens,
+            num_steps=self.num_steps, total_prompt_tokens=self.total_prompt_tokens,
+            total_generation_tokens=self.total_generation_tokens)

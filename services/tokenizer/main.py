@@ -1,0 +1,110 @@
+"""`pagoda tokenizer`: a stateless process that turns GenerateRequests into EngineRequests.
+
+Start as many as you like with the same addresses: each connects to the engine's front door
+(PULL, round robin) and pushes to the engine's input.
+"""
+import argparse
+import os
+import signal
+import socket
+import time
+
+import zmq
+
+from proto.codec import CodecError, decode, encode
+from proto.control import Register
+from proto.requests import ErrorResponse, GenerateRequest
+from shared.config import EngineArgs
+from shared.logging import configure, get_logger
+from shared.sockets import ControlServer, PushRoutes, make_socket
+from shared.stack_config import StackConfig
+from shared.tokenizer import get_tokenizer
+from services.tokenizer.tokenize import PromptChecks, RequestRejected, RequestTokenizer
+
+log = get_logger("tokenizer")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--instance", default="0", help="names this process's control socket")
+    EngineArgs.add_cli_args(parser)
+    StackConfig.add_cli_args(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    configure("tokenizer")
+    TokenizerService(EngineArgs.from_cli_args(args), StackConfig.from_cli_args(args),
+                     args.instance).serve()
+    return 0
+
+
+class TokenizerService:
+    def __init__(self, engine_args: EngineArgs, stack: StackConfig, instance: str = "0"):
+        self.stack = stack
+        self.instance_id = f"{socket.gethostname()}-{os.getpid()}"
+        self.ctx = zmq.Context()
+        self.status = "starting"
+        self.handled = 0
+        self.rejected = 0
+        self.control = ControlServer(self.ctx, stack.control_for("tokenizer", instance),
+                                     "tokenizer", self._health).start()
+        config = engine_args.create_engine_config()
+        mc = config.model_config
+        self.worker = RequestTokenizer(get_tokenizer(mc.tokenizer),
+                                       PromptChecks(mc.max_model_len, mc.vocab_size), mc.hf_config)
+        self.input = make_socket(self.ctx, zmq.PULL)
+        self.input.connect(stack.tokenizer_input)
+        self.engine = make_socket(self.ctx, zmq.PUSH)
+        self.engine.connect(stack.engine_input)
+        self.routes = PushRoutes(self.ctx)
+        self._stop = False
+        self.status = "ok"
+
+    def _health(self) -> tuple[str, dict]:
+        return self.status, {"handled": self.handled, "rejected": self.rejected,
+                             "instance": self.instance_id}
+
+    def serve(self) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_stop", True))
+        signal.signal(signal.SIGINT, lambda *_: setattr(self, "_stop", True))
+        heartbeat_every = self.stack.liveness_timeout_s / 4
+        last_beat = 0.0
+        log.info("tokenizer ready", input=self.stack.tokenizer_input)
+        try:
+            while not self._stop:
+                if time.monotonic() - last_beat > heartbeat_every:
+                    self.engine.send(encode(Register("tokenizer", self.instance_id)))
+                    last_beat = time.monotonic()
+                if not self.input.poll(int(heartbeat_every * 1000)):
+                    continue
+                self._handle(self.input.recv())
+        finally:
+            self.control.close()
+            self.input.close(0)
+            self.engine.close(0)
+            self.routes.close()
+            self.ctx.term()
+
+    def _handle(self, frame: bytes) -> None:
+        try:
+            req = decode(frame, GenerateRequest)
+        except CodecError as e:
+            # Answer the sender when the frame still names one; else only log it.
+            log.warning("dropped a bad frame", error=str(e), size=len(frame))
+            self.rejected += 1
+            return
+        rlog = log.bind(request_id=req.request_id)
+        try:
+            out = self.worker.tokenize(req)
+        except RequestRejected as e:
+            self.rejected += 1
+            rlog.info("request rejected", error=str(e))
+            self.routes.send(req.gateway_id, encode(ErrorResponse(req.request_id, e.code, str(e))))
+            return
+        except Exception as e:  # a tokenizer bug must not take the process down
+            self.rejected += 1
+            rlog.exception("tokenization failed")
+            self.routes.send(req.gateway_id, encode(ErrorResponse(req.request_id, 500, str(e))))
+            return
+        self.handled += 1
+        self.engine.send(encode(out))
+        rlog.debug("tokenized", prompt_tokens=len(out.prompt_token_ids))

@@ -1,0 +1,66 @@
+"""The paged KV cache: device blocks the attention backend reads and writes, and CPU blocks that
+preempted sequences are swapped out to."""
+import torch
+
+from shared.config import CacheConfig, ModelConfig
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class CacheEngine:
+    def __init__(self, cache_config: CacheConfig, model_config: ModelConfig, device: torch.device):
+        assert cache_config.num_device_blocks is not None and cache_config.num_cpu_blocks is not None, \
+            "the number of blocks is set after the profile run"
+        self.device = torch.device(device)
+        self.block_size = cache_config.block_size
+        self.num_device_blocks = cache_config.num_device_blocks
+        self.num_cpu_blocks = cache_config.num_cpu_blocks
+        block_shape = (self.block_size, model_config.num_kv_heads, model_config.head_dim)
+        dtype = model_config.dtype
+        # K and V of a layer live in one [2, num_blocks, ...] tensor so that a swap or copy is
+        # one index op per layer. Device blocks are zero-filled: attention masks padded slots
+        # but still multiplies by them, so they must hold finite numbers.
+        self._device_kv = [torch.zeros((2, self.num_device_blocks, *block_shape), dtype=dtype,
+                                       device=self.device)
+                           for _ in range(model_config.num_layers)]
+        pin = self.device.type == "cuda"  # pinned memory makes host<->device copies async
+        self._cpu_kv = [torch.empty((2, self.num_cpu_blocks, *block_shape), dtype=dtype,
+                                    pin_memory=pin)
+                        for _ in range(model_config.num_layers)]
+        # Per layer (k, v), each [num_blocks, block_size, num_kv_heads, head_dim].
+        self.device_cache: list[KVCache] = [(kv[0], kv[1]) for kv in self._device_kv]
+        self.cpu_cache: list[KVCache] = [(kv[0], kv[1]) for kv in self._cpu_kv]
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """(cpu_block, device_block) pairs: CPU -> device."""
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=self.device)
+        for device_kv, cpu_kv in zip(self._device_kv, self._cpu_kv):
+            blocks = cpu_kv.index_select(1, src).to(self.device, non_blocking=True)
+            device_kv.index_copy_(1, dst, blocks)
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """(device_block, cpu_block) pairs: device -> CPU."""
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
+        for device_kv, cpu_kv in zip(self._device_kv, self._cpu_kv):
+            cpu_kv.index_copy_(1, dst, device_kv.index_select(1, src).cpu())
+
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        """(src, dst) device block pairs, for copy-on-write. Sources are read before any write."""
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=self.device)
+        for device_kv in self._device_kv:
+            device_kv.index_copy_(1, dst, device_kv.index_select(1, src))
+
+    @staticmethod
+    def get_cache_block_size_bytes(cache_config: CacheConfig, model_config: ModelConfig) -> int:
+        """Bytes of one block: K and V, every layer."""
+        elements = cache_config.block_size * model_config.num_kv_heads * model_config.head_dim
+        return 2 * model_config.num_layers * elements * model_config.dtype.itemsize

@@ -1,0 +1,119 @@
+"""`pagoda worker`: one device's Worker behind a ZMQ DEALER socket connected to the engine."""
+import argparse
+import os
+import signal
+import socket
+import time
+
+import zmq
+
+from proto.codec import CodecError, decode, encode
+from proto.control import Register, WorkerCall, WorkerReply
+from proto.messages import ExecuteModelRequest
+from proto.requests import ErrorResponse
+from shared.config import EngineArgs
+from shared.logging import configure, get_logger
+from shared.sockets import ControlServer, make_socket
+from shared.stack_config import StackConfig
+
+log = get_logger("worker")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rank", type=int, default=0)
+    EngineArgs.add_cli_args(parser)
+    StackConfig.add_cli_args(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    configure("worker")
+    service = WorkerService(EngineArgs.from_cli_args(args), StackConfig.from_cli_args(args), args.rank)
+    service.serve()
+    return 0
+
+
+class WorkerService:
+    def __init__(self, engine_args: EngineArgs, stack: StackConfig, rank: int = 0):
+        from services.worker.worker import Worker
+        self.stack = stack
+        self.rank = rank
+        self.instance_id = f"{socket.gethostname()}-{os.getpid()}"
+        self.ctx = zmq.Context()
+        self.status = "starting"
+        self.busy_s = 0.0  # forward passes
+        self.idle_s = 0.0  # waiting for the next step while steps are flowing
+        self.steps = 0
+        self.control = ControlServer(self.ctx, stack.control_for("worker", rank), "worker",
+                                     self._health).start()
+        config = engine_args.create_engine_config()
+        self.worker = Worker(config, rank)
+        self.worker.init_device()
+        self.worker.load_model()
+        self.sock = make_socket(self.ctx, zmq.DEALER)
+        self.sock.setsockopt_string(zmq.IDENTITY, f"worker-{rank}-{self.instance_id}")
+        self.sock.connect(stack.worker_addr)
+        self._stop = False
+        self.status = "ok"
+
+    def _health(self) -> tuple[str, dict]:
+        return self.status, {"rank": self.rank, "steps": self.steps,
+                             "busy_s": round(self.busy_s, 3), "idle_s": round(self.idle_s, 3)}
+
+    def serve(self) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_stop", True))
+        signal.signal(signal.SIGINT, lambda *_: setattr(self, "_stop", True))
+        heartbeat_every = self.stack.liveness_timeout_s / 4
+        self._register()
+        last_beat = time.monotonic()
+        last_done = None  # when the previous step's output went out
+        log.info("worker ready", rank=self.rank, engine=self.stack.worker_addr)
+        try:
+            while not self._stop:
+                if time.monotonic() - last_beat > heartbeat_every:
+                    self._register()
+                    last_beat = time.monotonic()
+                if not self.sock.poll(int(heartbeat_every * 1000)):
+                    last_done = None  # no steps flowing: not idle time between passes
+                    continue
+                frame = self.sock.recv()
+                start = time.perf_counter()
+                if last_done is not None:
+                    self.idle_s += start - last_done
+                reply = self._answer(frame)
+                if reply is not None:
+                    self.sock.send(reply)
+                done = time.perf_counter()
+                self.busy_s += done - start
+                last_done = done
+        finally:
+            self.close()
+
+    def _register(self) -> None:
+        self.sock.send(encode(Register("worker", self.instance_id, self.rank)))
+
+    def _answer(self, frame: bytes) -> bytes | None:
+        try:
+            msg = decode(frame, (ExecuteModelRequest, WorkerCall))
+        except CodecError as e:
+            log.warning("dropped a bad frame", error=str(e), size=len(frame))
+            return encode(ErrorResponse(None, 400, f"worker: bad frame: {e}"))
+        if isinstance(msg, ExecuteModelRequest):
+            self.steps += 1
+            return encode(self.worker.execute_model(msg))
+        try:
+            if msg.method == "determine_num_available_blocks":
+                result = list(self.worker.determine_num_available_blocks())
+            elif msg.method == "initialize_cache":
+                self.worker.initialize_cache(*msg.args)
+                result = []
+            else:
+                raise ValueError(f"unknown call {msg.method!r}")
+            return encode(WorkerReply(msg.call_id, result))
+        except Exception as e:
+            log.exception("worker call failed", method=msg.method)
+            return encode(WorkerReply(msg.call_id, [], f"{type(e).__name__}: {e}"))
+
+    def close(self) -> None:
+        self.control.close()
+        self.sock.close(0)
+        self.ctx.term()

@@ -1,0 +1,103 @@
+"""Builds the model on its device and fills it from a Hugging Face folder (safetensors) or a
+GGUF file (dequantized with transformers' own GGUF reader, which also undoes llama.cpp's q/k
+row permutation)."""
+import glob
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+from tqdm import tqdm
+
+from shared.config import LoadConfig, ModelConfig, load_hf_config
+from shared.model_source import ModelSource
+from services.worker.attention.base import AttentionBackend
+from services.worker.models.llama import LlamaForCausalLM
+
+
+def load_model(model_config: ModelConfig, load_config: LoadConfig, device: torch.device,
+               attn_backend: AttentionBackend) -> LlamaForCausalLM:
+    # Parameters are created directly on the device, uninitialised: loading overwrites them.
+    with torch.device(device):
+        model = LlamaForCausalLM(model_config.hf_config, attn_backend, model_config.dtype)
+    model.load_weights(iter_weights(model_config.source, load_config.load_format,
+                                    model_config.hf_config))
+    return model.eval()
+
+
+def iter_weights(source: ModelSource, load_format: str = "auto",
+                 hf_config=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face parameter name, CPU tensor) for every tensor of the checkpoint."""
+    if load_format == "auto":
+        load_format = "gguf" if source.gguf_file else "safetensors"
+    if load_format == "gguf":
+        if not source.gguf_file:
+            raise ValueError(f"load_format 'gguf' needs a .gguf file, got the folder {source.folder}")
+        return _iter_gguf(source, hf_config)
+    if load_format == "safetensors":
+        if source.gguf_file:
+            raise ValueError(f"load_format 'safetensors' cannot read the GGUF file {source.path}")
+        return _iter_safetensors(source.folder)
+    raise ValueError(f"load_format must be auto, safetensors or gguf, got {load_format!r}")
+
+
+def _safetensors_files(folder: str) -> list[str]:
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"model folder {folder} does not exist")
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        # A sharded checkpoint: only the files its index names (a folder may hold others).
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(folder, name) for name in names]
+        absent = [f for f in files if not os.path.isfile(f)]
+        if absent:
+            raise FileNotFoundError(f"{index} names shards that are missing: {absent}")
+        return files
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {folder}")
+    return files
+
+
+def _iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+    files = _safetensors_files(folder)
+    for path in tqdm(files, desc="Loading safetensors", unit="file", disable=len(files) < 2):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _iter_gguf(source: ModelSource, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    path = source.path
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file {path} does not exist")
+    if hf_config is None:
+        hf_config = load_hf_config(source)
+    # transformers maps GGUF tensor names through a model's parameter names; a skeleton on the
+    # meta device gives those names without allocating memory.
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(hf_config)
+    names = _ParameterNames(hf_config, list(skeleton.state_dict()))
+    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=names)["tensors"]
+    for name in list(tensors):
+        yield name, tensors.pop(name)  # pop: free each dequantized tensor once copied
+
+
+class _ParameterNames:
+    """What transformers' GGUF reader asks of `model_to_load`: the config and the parameter
+    names. Handing it the skeleton itself would make it rebuild gguf's name table for each of
+    its ~400 submodules (seconds), all to find names the top level already maps."""
+
+    def __init__(self, config, names: list[str]):
+        self.config = config
+        self._names = names
+
+    def state_dict(self) -> dict[str, None]:
+        return dict.fromkeys(self._names)
+
+    def named_children(self) -> list:
+        return []

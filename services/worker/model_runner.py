@@ -1,0 +1,292 @@
+"""ModelRunner: turns one ExecuteModelRequest into batched tensors, runs the model, samples.
+
+It keeps each sequence's tokens and block table between steps (`SequenceState`), so the engine
+sends only what changed (proto.SequenceData) and the runner appends the tokens it samples itself.
+"""
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from proto.messages import (ExecuteModelRequest, PromptLogprobs, SamplerOutput, SequenceData,
+                            SequenceGroupMetadata)
+from shared.config import PagodaConfig
+from proto.messages import PLACEHOLDER
+from shared.sampling_params import SamplingParams
+from services.worker.attention import AttentionMetadata, get_attn_backend
+from services.worker.model_loader import load_model
+from services.worker.sampler import Sampler, compute_prompt_logprobs
+from services.worker.sampling_metadata import SamplingRow, SamplingTensors
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    params: SamplingParams
+    seed: int
+    prompt_len: int
+    eos_token_ids: list[int]
+
+
+@dataclass
+class SequenceState:
+    request: RequestState
+    sample_index: int
+    token_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Row:
+    """One sequence's slice of the step's flat token layout."""
+    group: SequenceGroupMetadata
+    seq: SequenceData
+    state: SequenceState
+    start: int  # first position computed this step (== tokens already cached)
+    num_tokens: int
+
+
+class ModelRunner:
+    def __init__(self, config: PagodaConfig):
+        self.config = config
+        self.model_config = config.model_config
+        self.device = config.device_config.device
+        self.block_size = config.cache_config.block_size
+        self.attn_backend = get_attn_backend("torch")
+        self.model = None
+        self.sampler = Sampler()
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.requests: dict[str, RequestState] = {}
+        self.seqs: dict[int, SequenceState] = {}
+        # Prompt-step samples of n > 1 requests, by parent seq id, until the children arrive.
+        self.fan_out: dict[int, list[int]] = {}
+
+    def load_model(self) -> None:
+        self.model = load_model(self.model_config, self.config.load_config, self.device,
+                                self.attn_backend)
+
+    # -- state updates -------------------------------------------------------------------------
+    def apply_deltas(self, request: ExecuteModelRequest) -> None:
+        for group in request.seq_group_metadata_list:
+            req = self.requests.get(group.request_id)
+            if group.sampling_params is not None:
+                req = RequestState(group.request_id, group.sampling_params, group.seed,
+                                   group.prompt_len, group.eos_token_ids)
+                self.requests[group.request_id] = req
+            assert req is not None, f"request {group.request_id} was never sent with its parameters"
+            for sd in group.seq_data:
+                old = self.seqs.get(sd.seq_id)
+                if sd.parent_seq_id >= 0:
+                    # A forked child: the parent's prompt, then the fan-out sample that is its own.
+                    parent = self.seqs[sd.parent_seq_id]
+                    first = self.fan_out[sd.parent_seq_id][sd.sample_index]
+                    state = SequenceState(req, sd.sample_index,
+                                          parent.token_ids[:req.prompt_len] + [first])
+                elif sd.reset or old is None:
+                    state = SequenceState(req, sd.sample_index)
+                else:
+                    state = old
+                self.seqs[sd.seq_id] = state
+                if sd.reset and PLACEHOLDER in sd.new_token_ids:
+                    # The engine had not read some samples yet when it sent this; we have them.
+                    assert old is not None, f"seq {sd.seq_id}: placeholders with no state to fill"
+                    sd.new_token_ids = [old.token_ids[i] if t == PLACEHOLDER else t
+                                        for i, t in enumerate(sd.new_token_ids)]
+                state.token_ids.extend(sd.new_token_ids)
+                state.block_table.extend(sd.block_ids)
+        # Last: a forked child above may still have needed its finished parent's prompt.
+        for seq_id in request.finished_seq_ids:
+            state = self.seqs.pop(seq_id, None)
+            self.fan_out.pop(seq_id, None)
+            if state is not None and not any(s.request is state.request for s in self.seqs.values()):
+                self.requests.pop(state.request.request_id, None)
+
+    # -- the step ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, request: ExecuteModelRequest) -> SamplerOutput:
+        t0 = time.perf_counter()
+        self.apply_deltas(request)
+        rows = self._plan_rows(request.seq_group_metadata_list)
+        out = SamplerOutput(step_id=request.step_id)
+        if not rows:
+            return out
+        input_ids, positions, meta = self._prepare_inputs(rows)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
+
+        # 1) Which hidden rows need logits: the last token of every sequence that samples, and
+        #    every position of a prompt chunk whose request asked for prompt logprobs.
+        sample_rows, sample_idx, prompt_lp_rows = [], [], []
+        offset = 0
+        for row in rows:
+            if row.group.do_sample:
+                sample_rows.append(row)
+                sample_idx.append(offset + row.num_tokens - 1)
+            if row.group.is_prompt and row.state.request.params.prompt_logprobs is not None:
+                prompt_lp_rows.append((row, offset))
+            offset += row.num_tokens
+        if sample_rows:
+            self._sample(rows=sample_rows, hidden=hidden[sample_idx], out=out)
+        for row, start in prompt_lp_rows:
+            self._prompt_logprobs(row, hidden[start:start + row.num_tokens], out)
+        out.model_time_s = time.perf_counter() - t0
+        return out
+
+    def _plan_rows(self, groups: list[SequenceGroupMetadata]) -> list[_Row]:
+        prefills, decodes = [], []
+        for group in groups:
+            for sd in group.seq_data:
+                state = self.seqs[sd.seq_id]
+                row = _Row(group, sd, state, sd.num_computed_tokens, group.token_chunk_size)
+                assert row.start + row.num_tokens <= len(state.token_ids), (
+                    f"seq {sd.seq_id}: computing up to {row.start + row.num_tokens} "
+                    f"but the worker holds {len(state.token_ids)} tokens")
+                (decodes if row.num_tokens == 1 else prefills).append(row)
+        return prefills + decodes
+
+    def _prepare_inputs(self, rows: list[_Row]):
+        bs = self.block_size
+        num_prefills = sum(1 for r in rows if r.num_tokens > 1)
+        tokens, positions, slots = [], [], []
+        seq_lens, query_lens = [], []
+        max_blocks = 0
+        for row in rows:
+            end = row.start + row.num_tokens
+            table = row.state.block_table
+            assert (end + bs - 1) // bs <= len(table), f"seq {row.seq.seq_id}: block table too short"
+            if row.num_tokens == 1:
+                tokens.append(row.state.token_ids[row.start])
+                positions.append(row.start)
+                slots.append(table[row.start // bs] * bs + row.start % bs)
+            else:
+                pos = np.arange(row.start, end)
+                tokens.extend(row.state.token_ids[row.start:end])
+                positions.append(pos)
+                slots.append(np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs)
+            seq_lens.append(end)
+            query_lens.append(row.num_tokens)
+            max_blocks = max(max_blocks, (end + bs - 1) // bs)
+        block_tables = np.zeros((len(rows), max_blocks), dtype=np.int64)
+        for i, row in enumerate(rows):
+            n = (seq_lens[i] + bs - 1) // bs
+            block_tables[i, :n] = row.state.block_table[:n]
+        positions = np.concatenate([np.atleast_1d(p) for p in positions]).astype(np.int64)
+        slots = np.concatenate([np.atleast_1d(s) for s in slots]).astype(np.int64)
+        dev = self.device
+        query_start = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=query_start[1:])
+        seq_lens_np = np.asarray(seq_lens, dtype=np.int64)
+        num_prefill_tokens = int(query_start[num_prefills])
+        meta = AttentionMetadata(
+            num_prefills=num_prefills,
+            num_prefill_tokens=num_prefill_tokens,
+            num_decode_tokens=len(tokens) - num_prefill_tokens,
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            query_start_loc=torch.from_numpy(query_start).to(dev),
+            seq_lens=torch.from_numpy(seq_lens_np).to(dev),
+            context_lens=torch.from_numpy(seq_lens_np - np.asarray(query_lens)).to(dev),
+            block_tables=torch.from_numpy(block_tables).to(dev),
+            max_query_len=max([q for q in query_lens if q > 1], default=1),
+            max_seq_len=max(seq_lens),
+            block_size=bs,
+            seq_lens_list=seq_lens,
+            query_lens_list=query_lens,
+        )
+        input_ids = torch.tensor(tokens, dtype=torch.long, device=dev)
+        return input_ids, torch.from_numpy(positions).to(dev), meta
+
+    def _sample(self, rows: list[_Row], hidden: torch.Tensor, out: SamplerOutput) -> None:
+        logits = self.model.compute_logits(hidden)  # [num_rows, vocab] float32
+        sampling_rows, owners, logit_index = [], [], []
+        for i, row in enumerate(rows):
+            req = row.state.request
+            params = req.params
+            num_out = len(row.state.token_ids) - req.prompt_len
+            # The prompt step of an n > 1 request samples all n children from one distribution.
+            fan_out = params.n if (row.group.is_prompt and num_out == 0 and params.n > 1) else 1
+            penalties = params.uses_penalties
+            for j in range(fan_out):
+                sampling_rows.append(SamplingRow(
+                    params=params, seed=req.seed,
+                    sample_index=row.state.sample_index + j, output_index=num_out,
+                    prompt_token_ids=row.state.token_ids[:req.prompt_len] if penalties else [],
+                    output_token_ids=row.state.token_ids[req.prompt_len:] if penalties else []))
+                owners.append(row)
+                logit_index.append(i)
+        if len(logit_index) != len(rows):
+            logits = logits[logit_index]
+        self._mask_early_stops(logits, sampling_rows, owners)
+        tensors = SamplingTensors.from_rows(sampling_rows, logits.shape[-1], logits.device)
+        result = self.sampler(logits, tensors)
+        token_ids = result.token_ids.tolist()
+        logprobs = result.logprobs.tolist()
+        top_ids = result.top_token_ids.tolist() if result.top_token_ids is not None else None
+        top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
+        seen = set()
+        for i, row in enumerate(owners):
+            seq_id = row.seq.seq_id
+            # Keep the sampled token so the next step needs no round trip through the engine;
+            # the extra fan-out samples wait for the children the engine forks.
+            if seq_id not in seen:
+                row.state.token_ids.append(token_ids[i])
+                seen.add(seq_id)
+            else:
+                self.fan_out.setdefault(seq_id, [row.state.token_ids[-1]]).append(token_ids[i])
+            out.seq_ids.append(seq_id)
+            out.token_ids.append(token_ids[i])
+            out.logprobs.append(logprobs[i])
+            k = row.state.request.params.logprobs
+            if k is not None and top_ids is not None:
+                out.top_token_ids.append(top_ids[i][:k])
+                out.top_logprobs.append(top_lps[i][:k])
+            else:
+                out.top_token_ids.append([])
+                out.top_logprobs.append([])
+
+    @staticmethod
+    def _mask_early_stops(logits: torch.Tensor, rows: list[SamplingRow], owners: list[_Row]) -> None:
+        """Before min_tokens, EOS and stop token ids cannot be sampled."""
+        mask_rows, mask_ids = [], []
+        for i, (r, owner) in enumerate(zip(rows, owners)):
+            if r.output_index < r.params.min_tokens:
+                ids = set(r.params.stop_token_ids)
+                if not r.params.ignore_eos:
+                    ids.update(owner.state.request.eos_token_ids)
+                mask_rows.extend([i] * len(ids))
+                mask_ids.extend(ids)
+        if mask_rows:
+            logits[mask_rows, mask_ids] = float("-inf")
+
+    def _prompt_logprobs(self, row: _Row, hidden: torch.Tensor, out: SamplerOutput) -> None:
+        # Position p's logits predict token p + 1: this chunk scores tokens [start+1, end+1)
+        # that lie inside the prompt.
+        prompt_len = row.state.request.prompt_len
+        end = min(row.start + row.num_tokens, prompt_len - 1)
+        n = end - row.start
+        if n <= 0:
+            return
+        logits = self.model.compute_logits(hidden[:n])
+        targets = torch.tensor(row.state.token_ids[row.start + 1:end + 1], device=logits.device)
+        lps, top_ids, top_lps = compute_prompt_logprobs(
+            logits, targets, row.state.request.params.prompt_logprobs)
+        out.prompt_logprobs.append(PromptLogprobs(
+            seq_id=row.seq.seq_id, start=row.start + 1, token_logprobs=lps.tolist(),
+            top_token_ids=top_ids.tolist(), top_logprobs=top_lps.tolist()))
+
+    # -- profiling -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int) -> None:
+        """One forward pass as large as a step can be, with no KV cache, to measure peak memory."""
+        num_tokens = max(2, num_tokens)
+        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device)
+        z = torch.zeros(1, dtype=torch.long, device=self.device)
+        meta = AttentionMetadata(
+            num_prefills=1, num_prefill_tokens=num_tokens, num_decode_tokens=0,
+            slot_mapping=torch.zeros(num_tokens, dtype=torch.long, device=self.device),
+            query_start_loc=torch.tensor([0, num_tokens], device=self.device),
+            seq_lens=z + num_tokens, context_lens=z, block_tables=z.view(1, 1),
+            max_query_len=num_tokens, max_seq_len=num_tokens, block_size=self.block_size,
+            seq_lens_list=[num_tokens], query_lens_list=[num_tokens])
+        hidden = self.model(input_ids, positions, None, meta)
+        self.model.compute_logits(hidden[-1:])

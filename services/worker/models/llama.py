@@ -1,0 +1,271 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2) on the paged KV cache.
+
+Tokens of all sequences in a step are one flat batch ([num_tokens, hidden]); only attention knows
+where sequences begin and end (AttentionMetadata). q/k/v and gate/up projections are fused into
+one matmul each; `load_weights` stacks the Hugging Face tensors into them.
+"""
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.worker.attention.base import AttentionBackend, AttentionMetadata
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b). Left uninitialised: `load_weights` fills every parameter."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype),
+                                   requires_grad=False)
+        self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
+                     if bias else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, dtype=dtype),
+                                   requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+def rope_parameters(hf_config) -> dict:
+    """The rotary settings, from `rope_parameters` (transformers 5) or the older
+    `rope_theta` / `rope_scaling` fields."""
+    params = dict(getattr(hf_config, "rope_scaling", None) or {})
+    params.update(getattr(hf_config, "rope_parameters", None) or {})
+    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", None) or 10000.0)
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    return params
+
+
+def rope_inv_freq(hf_config, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] (float32), with Llama-3 or linear scaling."""
+    params = rope_parameters(hf_config)
+    rope_type = params["rope_type"]
+    assert params.get("partial_rotary_factor", 1.0) == 1.0, "partial rotary embeddings"
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (params["rope_theta"] ** exponents)
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / params["factor"]
+    if rope_type == "llama3":
+        factor = params["factor"]
+        low, high = params["low_freq_factor"], params["high_freq_factor"]
+        original_len = params["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are slowed down by `factor`, short ones kept, the band between
+        # blended smoothly.
+        smooth = (original_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        scaled = torch.where(wavelen > original_len / low, inv_freq / factor, inv_freq)
+        is_band = (wavelen >= original_len / high) & (wavelen <= original_len / low)
+        return torch.where(is_band, blended, scaled)
+    raise NotImplementedError(f"rope_type {rope_type!r} is not supported (default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates the two halves of each head (the Hugging Face / GPT-NeoX layout):
+    [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin] = x * [cos, cos] + [x2, x1] * [-sin, sin]."""
+
+    def __init__(self, hf_config, head_dim: int, max_positions: int, dtype: torch.dtype):
+        super().__init__()
+        inv_freq = rope_inv_freq(hf_config, head_dim)
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32),
+                             inv_freq)  # [max_positions, head_dim // 2]
+        cos, sin = angles.cos(), angles.sin()
+        # Computed in float32 once, kept in the model dtype since the rotation is applied in it;
+        # one table so that a step looks its positions up once.
+        table = torch.stack((torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)), dim=1)
+        self.register_buffer("cos_sin", table.to(dtype), persistent=False)  # [max_pos, 2, head_dim]
+        self.half = head_dim // 2
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, head_dim] -> rotated copy."""
+        cos, sin = self.cos_sin.index_select(0, positions).unsqueeze(1).unbind(2)  # [T, 1, D]
+        return torch.addcmul(x * cos, x.roll(self.half, dims=-1), sin)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, hf_config, attn_backend: AttentionBackend, rotary: RotaryEmbedding,
+                 dtype: torch.dtype):
+        super().__init__()
+        c = hf_config
+        self.num_heads = c.num_attention_heads
+        self.num_kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        assert self.num_heads % self.num_kv_heads == 0
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        qkv_bias = c.model_type == "qwen2" or bool(getattr(c, "attention_bias", False))
+        self.qkv_proj = Linear(c.hidden_size, self.q_size + 2 * self.kv_size, qkv_bias, dtype)
+        self.o_proj = Linear(self.q_size, c.hidden_size, bool(getattr(c, "attention_bias", False)),
+                             dtype)
+        self.rotary = rotary
+        self.attn_backend = attn_backend
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache | None,
+                meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # q and k rotated together: one set of ops for both.
+        qk = self.rotary(positions, qk.view(num_tokens, self.num_heads + self.num_kv_heads,
+                                            self.head_dim))
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache if kv_cache is not None else (None, None)
+        out = self.attn_backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hf_config, dtype: torch.dtype):
+        super().__init__()
+        c = hf_config
+        assert getattr(c, "hidden_act", "silu") == "silu", c.hidden_act
+        bias = bool(getattr(c, "mlp_bias", False))
+        self.gate_up_proj = Linear(c.hidden_size, 2 * c.intermediate_size, bias, dtype)
+        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, intermediate] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, hf_config, attn_backend: AttentionBackend, rotary: RotaryEmbedding,
+                 dtype: torch.dtype):
+        super().__init__()
+        c = hf_config
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(c, attn_backend, rotary, dtype)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(c, dtype)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache | None,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, hf_config, attn_backend: AttentionBackend, dtype: torch.dtype):
+        super().__init__()
+        c = hf_config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        max_positions = getattr(c, "max_position_embeddings", None) or 2048
+        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dtype)
+        # One cos/sin table shared by every layer.
+        rotary = RotaryEmbedding(c, head_dim, max_positions, dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(c, attn_backend, rotary, dtype)
+                                    for _ in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache] | None, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        for i, layer in enumerate(self.layers):
+            x = layer(positions, x, kv_caches[i] if kv_caches is not None else None, meta)
+        return self.norm(x)
+
+
+# Hugging Face projection name -> (our fused projection, index of its slice).
+_STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, hf_config, attn_backend: AttentionBackend, dtype: torch.dtype):
+        super().__init__()
+        self.config = hf_config
+        self.dtype = dtype
+        self.model = LlamaModel(hf_config, attn_backend, dtype)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, False, dtype)
+        attn = self.model.layers[0].self_attn
+        mlp = self.model.layers[0].mlp
+        inter = mlp.down_proj.weight.shape[1]
+        # Row ranges of each Hugging Face tensor inside a fused weight.
+        self._shard_rows = {
+            "qkv_proj": [(0, attn.q_size), (attn.q_size, attn.kv_size),
+                         (attn.q_size + attn.kv_size, attn.kv_size)],
+            "gate_up_proj": [(0, inter), (inter, inter)],
+        }
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache] | None, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [T] -> hidden states after the final norm [T, hidden]."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32."""
+        weight = (self.model.embed_tokens.weight if self.tie_word_embeddings
+                  else self.lm_head.weight)
+        return F.linear(hidden_states, weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face named tensors into the model; every parameter must be filled."""
+        params = dict(self.named_parameters())
+        expected = set(params)
+        for name in list(expected):
+            module = name.rsplit(".", 2)[-2]
+            if module in self._shard_rows:
+                expected.remove(name)
+                expected.update(f"{name}#{i}" for i in range(len(self._shard_rows[module])))
+        loaded = set()
+        for hf_name, tensor in weights:
+            if "rotary_emb.inv_freq" in hf_name:
+                continue  # recomputed, not loaded
+            if hf_name == "lm_head.weight" and self.tie_word_embeddings:
+                continue  # some checkpoints store the tied copy too
+            parts = hf_name.split(".")
+            stacked = _STACKED.get(parts[-2]) if len(parts) >= 2 else None
+            if stacked is not None:
+                fused, index = stacked
+                name = ".".join(parts[:-2] + [fused, parts[-1]])
+                if name not in params:
+                    raise KeyError(f"checkpoint tensor {hf_name!r} has no place in the model")
+                start, rows = self._shard_rows[fused][index]
+                target = params[name].narrow(0, start, rows)
+                key = f"{name}#{index}"
+            else:
+                if hf_name not in params:
+                    raise KeyError(f"checkpoint tensor {hf_name!r} has no place in the model")
+                target = params[hf_name]
+                key = hf_name
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(f"{hf_name}: checkpoint shape {tuple(tensor.shape)}, "
+                                 f"model expects {tuple(target.shape)}")
+            target.copy_(tensor)
+            loaded.add(key)
+        missing = expected - loaded
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:5]}")

@@ -1,0 +1,68 @@
+"""Worker: one device's model, KV cache and runner (the seed's Worker)."""
+import structlog
+import torch
+
+from proto.messages import ExecuteModelRequest, SamplerOutput
+from shared.config import PagodaConfig
+from services.worker.cache_engine import CacheEngine
+from services.worker.model_runner import ModelRunner
+
+log = structlog.get_logger("worker")
+
+_GIB = 1 << 30
+
+
+class Worker:
+    def __init__(self, config: PagodaConfig, rank: int = 0):
+        self.config = config
+        self.rank = rank
+        self.device = config.device_config.device
+        self.model_runner = ModelRunner(config)
+        self.cache_engine: CacheEngine | None = None
+
+    def init_device(self) -> None:
+        torch.manual_seed(self.config.model_config.seed)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
+    def load_model(self) -> None:
+        self.model_runner.load_model()
+
+    @torch.inference_mode()
+    def determine_num_available_blocks(self) -> tuple[int, int]:
+        """(device blocks, CPU swap blocks) that fit the memory budget after a profile run."""
+        cache = self.config.cache_config
+        block_bytes = CacheEngine.get_cache_block_size_bytes(cache, self.config.model_config)
+        num_cpu = int(cache.swap_space_gib * _GIB) // block_bytes
+        if cache.num_gpu_blocks_override is not None:
+            return cache.num_gpu_blocks_override, num_cpu
+        if self.device.type == "cpu":
+            return int(cache.kv_cache_space_gib * _GIB) // block_bytes, num_cpu
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.model_runner.profile_run(self.config.scheduler_config.max_num_batched_tokens)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        _, total = torch.cuda.mem_get_info(self.device)
+        budget = total * cache.gpu_memory_utilization - peak
+        torch.cuda.empty_cache()
+        return max(int(budget) // block_bytes, 0), num_cpu
+
+    def initialize_cache(self, num_device_blocks: int, num_cpu_blocks: int) -> None:
+        cache = self.config.cache_config
+        cache.num_device_blocks = num_device_blocks
+        cache.num_cpu_blocks = num_cpu_blocks
+        self.cache_engine = CacheEngine(cache, self.config.model_config, self.device)
+        self.model_runner.kv_caches = self.cache_engine.device_cache
+        log.info("kv cache ready", device_blocks=num_device_blocks, cpu_blocks=num_cpu_blocks,
+                 block_size=cache.block_size)
+
+    def execute_model(self, request: ExecuteModelRequest) -> SamplerOutput:
+        # Block moves first: this step's sequences may read blocks just swapped in or copied.
+        if request.blocks_to_swap_out:
+            self.cache_engine.swap_out(request.blocks_to_swap_out)
+        if request.blocks_to_swap_in:
+            self.cache_engine.swap_in(request.blocks_to_swap_in)
+        if request.blocks_to_copy:
+            self.cache_engine.copy(request.blocks_to_copy)
+        return self.model_runner.execute_model(request)

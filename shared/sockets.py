@@ -1,0 +1,151 @@
+"""ZeroMQ helpers every service uses: binding, control sockets, health probes."""
+import os
+import threading
+import time
+from collections.abc import Callable
+
+import zmq
+
+from proto.codec import CodecError, decode, encode
+from proto.requests import ErrorResponse, HealthRequest, HealthResponse
+from shared.logging import get_logger
+
+log = get_logger("sockets")
+
+
+def ipc_path(addr: str) -> str | None:
+    return addr[len("ipc://"):] if addr.startswith("ipc://") else None
+
+
+def bind(sock: zmq.Socket, addr: str) -> None:
+    """Bind, creating the ipc directory and replacing a stale socket file left by a dead run."""
+    path = ipc_path(addr)
+    if path:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        if os.path.exists(path):
+            os.unlink(path)
+    sock.bind(addr.replace("tcp://0.0.0.0", "tcp://*"))
+
+
+def unlink_ipc(*addrs: str) -> None:
+    for addr in addrs:
+        path = ipc_path(addr)
+        if path and os.path.exists(path):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
+def make_socket(ctx: zmq.Context, kind: int, linger_ms: int = 0, hwm: int = 100_000) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, linger_ms)
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+    return sock
+
+
+class ControlServer:
+    """Answers health probes on a process's control socket, from a background thread.
+
+    `status_fn()` returns (status, details): "ok" once the service is ready to serve.
+    """
+
+    def __init__(self, ctx: zmq.Context, addr: str, service: str,
+                 status_fn: Callable[[], tuple[str, dict]]):
+        self.addr = addr
+        self.service = service
+        self.status_fn = status_fn
+        self.sock = make_socket(ctx, zmq.REP)
+        bind(self.sock, addr)
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, name=f"{service}-control", daemon=True)
+        self.started = time.time()
+
+    def start(self) -> "ControlServer":
+        self.thread.start()
+        return self
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            try:
+                if not poller.poll(200):
+                    continue
+                frame = self.sock.recv()
+            except zmq.ZMQError:
+                return  # the socket was closed at shutdown
+            try:
+                decode(frame, HealthRequest)
+                status, details = self.status_fn()
+                details = {"uptime_s": round(time.time() - self.started, 1), "pid": os.getpid(),
+                           **details}
+                reply = encode(HealthResponse(self.service, status, details))
+            except CodecError as e:
+                log.warning("bad control frame", error=str(e))
+                reply = encode(ErrorResponse(None, 400, f"bad control frame: {e}"))
+            except Exception as e:  # a status callback must never kill the control thread
+                log.exception("health status failed")
+                reply = encode(HealthResponse(self.service, "degraded", {"error": str(e)}))
+            try:
+                self.sock.send(reply)
+            except zmq.ZMQError:
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        self.thread.join(timeout=1)
+        self.sock.close(0)
+        unlink_ipc(self.addr)
+
+
+def probe_health(addr: str, timeout_s: float = 1.0, ctx: zmq.Context | None = None) -> HealthResponse | None:
+    """Ask a control socket for its health; None when nobody answers in time."""
+    ctx = ctx or zmq.Context.instance()
+    sock = make_socket(ctx, zmq.REQ)
+    try:
+        sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
+        sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+        sock.connect(addr)
+        sock.send(encode(HealthRequest()))
+        return decode(sock.recv(), HealthResponse)
+    except (zmq.ZMQError, CodecError):
+        return None
+    finally:
+        sock.close(0)
+
+
+class PushRoutes:
+    """PUSH sockets to return addresses (a client's gateway id), connected on first use."""
+
+    def __init__(self, ctx: zmq.Context, max_routes: int = 256):
+        self.ctx = ctx
+        self.max_routes = max_routes
+        self.socks: dict[str, zmq.Socket] = {}
+
+    def send(self, addr: str, frame: bytes) -> bool:
+        sock = self.socks.get(addr)
+        if sock is None:
+            if len(self.socks) >= self.max_routes:  # forget the oldest route
+                old = next(iter(self.socks))
+                self.socks.pop(old).close(0)
+            sock = make_socket(self.ctx, zmq.PUSH)
+            sock.setsockopt(zmq.SNDTIMEO, 0)
+            try:
+                sock.connect(addr)
+            except zmq.ZMQError as e:
+                log.warning("bad return address", addr=addr, error=str(e))
+                sock.close(0)
+                return False
+            self.socks[addr] = sock
+        try:
+            sock.send(frame, zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError:
+            return False  # the client is gone or far behind: its outputs are dropped
+
+    def close(self) -> None:
+        for sock in self.socks.values():
+            sock.close(0)
+        self.socks.clear()

@@ -1,0 +1,75 @@
+"""Addresses of the stack's sockets, from flags or environment (`PAGODA_*`).
+
+Locally they default to `ipc://` files in one run directory; inside compose they are
+`tcp://service:port` names on the private network. Stateless stages (tokenizers, workers,
+detokenizers, clients) connect; the engine, which everything fans in to, binds.
+"""
+import argparse
+import os
+import tempfile
+from dataclasses import dataclass, fields
+
+
+def default_run_dir() -> str:
+    return os.path.join(tempfile.gettempdir(), f"pagoda-{os.getuid()}")
+
+
+@dataclass
+class StackConfig:
+    run_dir: str = ""
+    # The engine binds these.
+    request_input: str = ""  # clients PUSH GenerateRequest here (forwarded to tokenizers)
+    tokenizer_input: str = ""  # tokenizers PULL GenerateRequest from here (round robin)
+    engine_input: str = ""  # EngineRequest, AbortRequest, FinishRequest fan in here
+    worker_addr: str = ""  # workers connect (DEALER) and register
+    detokenizer_addr: str = ""  # detokenizers connect (DEALER) and register
+    # This process's control socket (health probes); one per process.
+    control_addr: str = ""
+    # The engine's control socket, which clients probe for the stack's health.
+    engine_control: str = ""
+    # Host that a client advertises in its return address (its gateway id).
+    return_host: str = "127.0.0.1"
+    # Seconds without an answer after which a peer counts as gone.
+    liveness_timeout_s: float = 10.0
+
+    def __post_init__(self):
+        self.run_dir = self.run_dir or os.environ.get("PAGODA_RUN_DIR") or default_run_dir()
+        for f in fields(self):
+            env = os.environ.get("PAGODA_" + f.name.upper())
+            current = getattr(self, f.name)
+            if env is not None and current in ("", f.default):
+                setattr(self, f.name, type(f.default)(env) if f.default != "" else env)
+        ipc = lambda name: f"ipc://{os.path.join(self.run_dir, name)}"  # noqa: E731
+        self.request_input = self.request_input or ipc("requests.sock")
+        self.tokenizer_input = self.tokenizer_input or ipc("tokenizer-input.sock")
+        self.engine_input = self.engine_input or ipc("engine-input.sock")
+        self.worker_addr = self.worker_addr or ipc("workers.sock")
+        self.detokenizer_addr = self.detokenizer_addr or ipc("detokenizers.sock")
+        self.engine_control = self.engine_control or ipc("engine-0.ctl")
+
+    def control_for(self, service: str, instance: int | str = 0) -> str:
+        """A process's own control address when none was given explicitly."""
+        if self.control_addr:
+            return self.control_addr
+        if service == "engine":
+            return self.engine_control
+        return f"ipc://{os.path.join(self.run_dir, f'{service}-{instance}.ctl')}"
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        group = parser.add_argument_group("stack addresses (default: PAGODA_* environment, "
+                                          "then ipc files in the run directory)")
+        for f in fields(cls):
+            group.add_argument("--" + f.name.replace("_", "-"), default=None,
+                               type=type(f.default) if f.default != "" else str)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "StackConfig":
+        given = {f.name: getattr(args, f.name) for f in fields(cls)
+                 if getattr(args, f.name, None) is not None}
+        return cls(**given)
+
+    def to_env(self) -> dict[str, str]:
+        return {"PAGODA_" + f.name.upper(): str(getattr(self, f.name)) for f in fields(self)
+                if f.name != "control_addr"}
