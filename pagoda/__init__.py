@@ -7,6 +7,8 @@ from shared.sampling_params import SamplingParams
 from services.engine.llm import LLM
 from services.engine.llm_engine import LLMEngine
 from services.engine.outputs import CompletionOutput, RequestOutput
+from services.gateway.client import AsyncEngineClient, EngineRequestError
 
-__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput",
+           "AsyncEngineClient", "EngineRequestError"]
 __version__ = "0.1.0"

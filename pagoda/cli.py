@@ -7,6 +7,8 @@ import sys
 
 # subcommand -> (module, help); each module has `add_arguments(parser)` and `run(args)`.
 COMMANDS = {
+    "serve": ("ops.serve_cli", "run the whole stack of docker-compose.yml as local processes"),
+    "health": ("ops.health_cli", "probe a service's control socket; exit 0 when it is ready"),
     "generate": ("ops.generate_cli", "generate text for prompts with the offline engine"),
     "bench": ("ops.bench.cli", "benchmarks: throughput (offline or through the stack), serve"),
     "engine": ("services.engine.main", "run the engine service (scheduler + step loop)"),
@@ -17,7 +19,8 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="pagoda", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="pagoda", description="pagoda: LLM inference as ZeroMQ + msgpack microservices")
     sub = parser.add_subparsers(dest="command", required=True)
     modules = {}
     for name, (module_name, help_text) in COMMANDS.items():

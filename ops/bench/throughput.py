@@ -21,6 +21,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--baseline", choices=["none", "hf"], default="none")
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--output-json", default=None, help="save the results here")
+    parser.add_argument("--stack", action="store_true",
+                        help="also run the workload through the ZMQ stack (pagoda serve's "
+                             "processes, no HTTP) and compare with in-process")
+    parser.add_argument("--tokenizers", type=int, default=1)
     EngineArgs.add_cli_args(parser)
 
 
@@ -61,6 +65,48 @@ def run_pagoda(engine_args, prompts: list[list[int]], output_len: int) -> dict:
     stats = llm.llm_engine.get_stats()
     return {"startup_s": startup, "elapsed_s": elapsed, "output_tokens": n_out,
             "num_params": n_params, "steps": stats.num_steps, "preemptions": stats.num_preemptions}
+
+
+def run_stack(engine_args, prompts: list[list[int]], output_len: int, tokenizers: int) -> dict:
+    """The same workload through real processes and sockets, submitted with AsyncEngineClient."""
+    import asyncio
+
+    from ops.launcher import LocalStack
+    from pagoda import AsyncEngineClient, SamplingParams
+    from shared.sockets import probe_health
+
+    t0 = time.perf_counter()
+    with LocalStack(engine_args=engine_args.to_dict(), gateway=False, tokenizers=tokenizers) as stack:
+        startup = time.perf_counter() - t0
+        worker_ctl = stack.stack_config.control_for("worker", 0)
+        params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
+
+        async def submit_all(batch, p):
+            client = AsyncEngineClient(stack.stack_config, output_timeout_s=600)
+            try:
+                async def one(ids):
+                    n = 0
+                    async for out in client.generate(ids, p):
+                        n += len(out.outputs[0].token_ids)
+                    return n
+                return await asyncio.gather(*(one(ids) for ids in batch))
+            finally:
+                client.close()
+
+        asyncio.run(submit_all([p[:8] for p in prompts[:2]], SamplingParams(max_tokens=2, ignore_eos=True)))
+        before = probe_health(worker_ctl, 5).details
+        start = time.perf_counter()
+        counts = asyncio.run(submit_all(prompts, params))
+        elapsed = time.perf_counter() - start
+        after = probe_health(worker_ctl, 5).details
+        engine = probe_health(stack.stack_config.engine_control, 5).details
+    busy = after["busy_s"] - before["busy_s"]
+    idle = after["idle_s"] - before["idle_s"]
+    return {"startup_s": startup, "elapsed_s": elapsed, "output_tokens": sum(counts),
+            "worker_busy_s": busy, "worker_idle_s": idle,
+            "worker_idle_fraction": idle / max(busy + idle, 1e-9),
+            "worker_steps": after["steps"] - before["steps"],
+            "last_step_bytes": engine.get("last_step_bytes"), "tokenizers": tokenizers}
 
 
 def run_hf(model_config, prompts: list[list[int]], output_len: int, batch_size: int) -> dict:
@@ -114,6 +160,16 @@ def run(args: argparse.Namespace) -> int:
     print(f"  model {flops_per_token / 1e9:.3f} GFLOP/token; matmul {peak:.0f} GFLOP/s -> "
           f"{peak * 1e9 / flops_per_token:.0f} tok/s at peak; pagoda reaches "
           f"{100 * r['fraction_of_matmul_peak']:.1f}% of it")
+
+    if args.stack:
+        st = run_stack(engine_args, prompts, args.output_len, args.tokenizers)
+        st.update(_rates(st, args.num_prompts, total_in))
+        result["stack"] = st
+        _print(f"pagoda stack ({args.tokenizers} tokenizer(s), ZMQ processes)", st)
+        result["ratio_stack_vs_inprocess"] = st["output_tok_s"] / r["output_tok_s"]
+        print(f"  stack / in-process (output tok/s): {result['ratio_stack_vs_inprocess']:.3f}; "
+              f"worker idle between forward passes: {100 * st['worker_idle_fraction']:.2f}% "
+              f"of step time over {st['worker_steps']} steps")
 
     if args.baseline == "hf":
         h = run_hf(config.model_config, prompts, args.output_len, args.hf_batch_size)
