@@ -1,14 +1,26 @@
 """pagoda: a vLLM-class LLM inference engine built as ZeroMQ + msgpack microservices.
 
-This package only re-exports the public API.
+This package only re-exports the public API. The exports load on first use, so the `pagoda`
+command (e.g. a health probe) starts without importing torch.
 """
-from shared.config import EngineArgs
-from shared.sampling_params import SamplingParams
-from services.engine.llm import LLM
-from services.engine.llm_engine import LLMEngine
-from services.engine.outputs import CompletionOutput, RequestOutput
-from services.gateway.client import AsyncEngineClient, EngineRequestError
+import importlib
 
-__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput",
-           "AsyncEngineClient", "EngineRequestError"]
+_EXPORTS = {
+    "LLM": "services.engine.llm",
+    "LLMEngine": "services.engine.llm_engine",
+    "EngineArgs": "shared.config",
+    "SamplingParams": "shared.sampling_params",
+    "RequestOutput": "services.engine.outputs",
+    "CompletionOutput": "services.engine.outputs",
+    "AsyncEngineClient": "services.gateway.client",
+    "EngineRequestError": "services.gateway.client",
+}
+
+__all__ = list(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'pagoda' has no attribute {name!r}")

@@ -15,18 +15,21 @@ COMMANDS = {
     "worker": ("services.worker.main", "run a worker service (model + KV cache + sampler)"),
     "tokenizer": ("services.tokenizer.main", "run a tokenizer service"),
     "detokenizer": ("services.detokenizer.main", "run a detokenizer service"),
+    "gateway": ("services.gateway.main", "run the OpenAI-compatible HTTP gateway"),
 }
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(
         prog="pagoda", description="pagoda: LLM inference as ZeroMQ + msgpack microservices")
     sub = parser.add_subparsers(dest="command", required=True)
-    modules = {}
+    chosen = argv[0] if argv and argv[0] in COMMANDS else None
+    module = None
     for name, (module_name, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text)
-        module = importlib.import_module(module_name)
-        module.add_arguments(p)
-        modules[name] = module
+        if name == chosen:  # only the chosen subcommand's module is imported (health probes stay fast)
+            module = importlib.import_module(module_name)
+            module.add_arguments(p)
     args = parser.parse_args(argv)
-    sys.exit(modules[args.command].run(args) or 0)
+    sys.exit(module.run(args) or 0)

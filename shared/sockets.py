@@ -17,6 +17,27 @@ def ipc_path(addr: str) -> str | None:
     return addr[len("ipc://"):] if addr.startswith("ipc://") else None
 
 
+def bind_address(addr: str) -> str:
+    """What to bind for an address that others connect to. A tcp address may name this host by
+    a service name (`tcp://engine:5555` inside compose): bind that port on every interface of
+    the container then. Literal IPs (127.0.0.1 by default) are bound as given."""
+    if not addr.startswith("tcp://"):
+        return addr
+    host, _, port = addr[len("tcp://"):].rpartition(":")
+    if host in ("*", "0.0.0.0", "localhost") or host.startswith("[") or _is_ip(host):
+        return f"tcp://{'*' if host == '0.0.0.0' else host}:{port}"
+    return f"tcp://*:{port}"
+
+
+def _is_ip(host: str) -> bool:
+    import ipaddress
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
+
+
 def bind(sock: zmq.Socket, addr: str) -> None:
     """Bind, creating the ipc directory and replacing a stale socket file left by a dead run."""
     path = ipc_path(addr)
@@ -24,7 +45,7 @@ def bind(sock: zmq.Socket, addr: str) -> None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         if os.path.exists(path):
             os.unlink(path)
-    sock.bind(addr.replace("tcp://0.0.0.0", "tcp://*"))
+    sock.bind(bind_address(addr))
 
 
 def unlink_ipc(*addrs: str) -> None:

@@ -25,8 +25,9 @@ log = get_logger("detokenizer")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--instance", default="0", help="names this process's control socket")
-    parser.add_argument("--tokenizer", default=None, help="local tokenizer path (default: the model's)")
-    parser.add_argument("--model", default=None)
+    # The engine flags are accepted so every service takes one command line; only the
+    # tokenizer's location is used here.
+    EngineArgs.add_cli_args(parser)
     StackConfig.add_cli_args(parser)
 
 
@@ -44,6 +45,7 @@ class DetokenizerService:
         self.ctx = zmq.Context()
         self.status = "starting"
         self.steps = 0
+        self.detokenizer: Detokenizer | None = None
         self.control = ControlServer(self.ctx, stack.control_for("detokenizer", instance),
                                      "detokenizer", self._health).start()
         self.detokenizer = Detokenizer(get_tokenizer(tokenizer_path))
@@ -57,7 +59,8 @@ class DetokenizerService:
         self.status = "ok"
 
     def _health(self) -> tuple[str, dict]:
-        return self.status, {"requests": len(self.detokenizer.requests), "steps": self.steps}
+        requests = len(self.detokenizer.requests) if self.detokenizer is not None else 0
+        return self.status, {"requests": requests, "steps": self.steps}
 
     def serve(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_stop", True))

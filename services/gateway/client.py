@@ -19,7 +19,7 @@ from proto.requests import (AbortRequest, ChatMessage, ErrorResponse, GenerateRe
                             RequestTextDelta, TextDeltas)
 from shared.logging import get_logger
 from shared.sampling_params import SamplingParams
-from shared.sockets import bind, make_socket, probe_health, unlink_ipc
+from shared.sockets import bind, bind_address, make_socket, probe_health, unlink_ipc
 from shared.stack_config import StackConfig
 from services.engine.outputs import CompletionOutput, RequestOutput
 
@@ -48,7 +48,8 @@ class AsyncEngineClient:
         self.engine.connect(self.stack.engine_input)
         self.results = make_socket(self.ctx, zmq.PULL)
         if self.stack.request_input.startswith("tcp://"):
-            port = self.results.bind_to_random_port("tcp://*")
+            port = self.results.bind_to_random_port(
+                bind_address(f"tcp://{self.stack.return_host}:0").rsplit(":", 1)[0])
             self.gateway_id = f"tcp://{self.stack.return_host}:{port}"
         else:
             self.gateway_id = f"ipc://{os.path.join(self.stack.run_dir, f'client-{uuid.uuid4().hex[:12]}.sock')}"

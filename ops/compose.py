@@ -1,0 +1,94 @@
+"""Reading docker-compose.yml: the `pagoda ...` services, their command lines and environment.
+
+The compose file is the one description of the stack; `pagoda serve` starts the same command
+lines as local processes. Only what the launcher needs is read (`command`, `environment`), with
+compose's variable interpolation (`${VAR}`, `${VAR:-default}`, `${VAR-default}`, `$VAR`, `$$`)
+from the environment and an `.env` file beside the compose file.
+"""
+import os
+import re
+import shlex
+from dataclasses import dataclass, field
+
+import yaml
+
+_VARIABLE = re.compile(r"\$(?:\$|\{(\w+)(?:(:?-)([^}]*))?\}|(\w+))")
+
+
+def default_compose_file() -> str:
+    """The project's docker-compose.yml (beside the `ops/` package)."""
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "docker-compose.yml")
+
+
+def interpolate(text: str, env: dict[str, str]) -> str:
+    def value(m: re.Match) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        name = m.group(1) or m.group(4)
+        op, default = m.group(2), m.group(3) or ""
+        current = env.get(name)
+        if op == ":-" and not current:
+            return default
+        if op == "-" and current is None:
+            return default
+        return current or ""
+    return _VARIABLE.sub(value, text)
+
+
+def read_dotenv(path: str) -> dict[str, str]:
+    """KEY=VALUE lines of an `.env` file (what compose reads for interpolation)."""
+    values = {}
+    if os.path.isfile(path):
+        with open(path) as f:
+            for line in f:
+                line = line.strip()
+                if line and not line.startswith("#") and "=" in line:
+                    key, val = line.split("=", 1)
+                    values[key.strip()] = val.strip().strip("'\"")
+    return values
+
+
+@dataclass
+class ServiceSpec:
+    """One compose service that runs a `pagoda` subcommand."""
+    name: str  # the compose service name
+    command: str  # the pagoda subcommand: engine, worker, tokenizer, detokenizer, gateway
+    args: list[str]  # what follows `pagoda <command>` on the command line
+    environment: dict[str, str] = field(default_factory=dict)
+
+
+def load_services(path: str, env: dict[str, str] | None = None) -> dict[str, ServiceSpec]:
+    """The compose file's `pagoda` services, interpolated; other services (monitoring) are left out."""
+    env = {**read_dotenv(os.path.join(os.path.dirname(os.path.abspath(path)), ".env")),
+           **(os.environ if env is None else env)}
+    with open(path) as f:
+        compose = yaml.safe_load(f)
+    services = {}
+    for name, service in (compose.get("services") or {}).items():
+        command = service.get("command")
+        if command is None:
+            continue
+        argv = (shlex.split(interpolate(command, env)) if isinstance(command, str)
+                else [interpolate(str(a), env) for a in command])
+        if len(argv) < 2 or argv[0] != "pagoda":
+            continue
+        services[name] = ServiceSpec(name, argv[1], argv[2:],
+                                     _environment(service.get("environment"), env))
+    return services
+
+
+def _environment(raw, env: dict[str, str]) -> dict[str, str]:
+    """A service's `environment` as a dict (compose allows a map or a list of KEY=VALUE)."""
+    if not raw:
+        return {}
+    if isinstance(raw, list):
+        raw = dict(item.split("=", 1) if "=" in item else (item, None) for item in raw)
+    out = {}
+    for key, val in raw.items():
+        if val is None:  # `KEY:` alone passes the host's value through
+            if key in env:
+                out[key] = env[key]
+        else:
+            out[key] = interpolate(str(val), env)
+    return out

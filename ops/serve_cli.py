@@ -1,0 +1,106 @@
+"""`pagoda serve`: the whole stack of docker-compose.yml as local processes, until Ctrl-C."""
+import argparse
+import signal
+import threading
+import time
+from dataclasses import fields
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from shared.config import EngineArgs
+    parser.add_argument("--compose-file", default=None,
+                        help="the stack's description (default: the project's docker-compose.yml)")
+    parser.add_argument("--tokenizers", type=_positive_int, default=1, help="tokenizer processes")
+    parser.add_argument("--detokenizers", type=_positive_int, default=1,
+                        help="detokenizer processes")
+    parser.add_argument("--host", default="127.0.0.1", help="the gateway's HTTP host")
+    parser.add_argument("--port", type=int, default=8000, help="the gateway's HTTP port")
+    parser.add_argument("--api-key", default=None, help="require this bearer token on HTTP")
+    parser.add_argument("--no-gateway", dest="gateway", action="store_false",
+                        help="no HTTP: the ZeroMQ stack only (for AsyncEngineClient)")
+    parser.add_argument("--run-dir", default=None,
+                        help="where the ipc sockets and logs go (default: what a bare "
+                             "StackConfig() uses, so AsyncEngineClient() finds the stack)")
+    parser.add_argument("--startup-timeout", type=float, default=300.0,
+                        help="seconds every service has to become ready")
+    parser.add_argument("--max-restarts", type=int, default=3,
+                        help="restarts of one process per minute before the launch gives up")
+    parser.add_argument("--keep-logs", action="store_true", help="keep <run-dir>/logs at exit")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="echo every process's log lines, prefixed with its name")
+    EngineArgs.add_cli_args(parser)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    from shared.config import EngineArgs
+    from shared.logging import configure
+    from ops.launcher import LaunchError, LocalStack
+    configure("serve")
+    # Only what the user set: each service keeps its own defaults for the rest.
+    engine_args = {f.name: getattr(args, f.name) for f in fields(EngineArgs)
+                   if getattr(args, f.name) != f.default}
+    stack = LocalStack(args.compose_file, engine_args, tokenizers=args.tokenizers,
+                       detokenizers=args.detokenizers, run_dir=args.run_dir, host=args.host,
+                       port=args.port, gateway=args.gateway, api_key=args.api_key,
+                       verbose=args.verbose, keep_logs=args.keep_logs,
+                       max_restarts_per_minute=args.max_restarts)
+    stop = threading.Event()
+    serving = False
+
+    def on_signal(signum, frame):
+        if stop.is_set():
+            return  # already stopping
+        stop.set()
+        if not serving:
+            raise KeyboardInterrupt  # leaves start(), which stops what it started
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    started = time.monotonic()
+    print(f"pagoda: starting the stack of {stack.compose_file}\n  run dir: {stack.run_dir}",
+          flush=True)
+
+    def progress(ready: list[str], waiting: list[str]) -> None:
+        if waiting:
+            print(f"  [{time.monotonic() - started:5.0f} s] {len(ready)}/{len(stack.members)} "
+                  f"ready; waiting for {', '.join(waiting)}", flush=True)
+
+    try:
+        stack.start(timeout_s=args.startup_timeout, on_progress=progress)
+        serving = True
+        _print_banner(stack, time.monotonic() - started)
+        stack.supervise(stop)
+        print("pagoda: stopping", flush=True)
+        return 0
+    except KeyboardInterrupt:
+        print("pagoda: stopped before the stack was ready", flush=True)
+        return 0
+    except LaunchError as e:
+        print(f"pagoda: the launch failed: {e}", flush=True)
+        if args.keep_logs:
+            print(f"pagoda: logs are in {stack.log_dir}", flush=True)
+        return 1
+    finally:
+        stack.stop()
+
+
+def _print_banner(stack, elapsed_s: float) -> None:
+    names = ", ".join(m.name for m in stack.members)
+    lines = [f"pagoda: ready in {elapsed_s:.0f} s ({names})"]
+    if stack.gateway_url:
+        lines.append(f"  HTTP      {stack.gateway_url}/v1  (OpenAI-compatible)")
+    from shared.stack_config import StackConfig
+    client = ("AsyncEngineClient()" if StackConfig().run_dir == stack.run_dir
+              else f"AsyncEngineClient(StackConfig(run_dir={stack.run_dir!r}))")
+    lines += [f"  run dir   {stack.run_dir}",
+              f"  requests  {stack.stack_config.request_input}  ({client})",
+              f"  logs      {stack.log_dir}",
+              "Ctrl-C stops the stack."]
+    print("\n".join(lines), flush=True)
