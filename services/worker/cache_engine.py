@@ -8,6 +8,9 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class CacheEngine:
+    """Allocates the caches and moves blocks. Moves run in inference mode, so that they work
+    whether or not the caches were made inside it."""
+
     def __init__(self, cache_config: CacheConfig, model_config: ModelConfig, device: torch.device):
         assert cache_config.num_device_blocks is not None and cache_config.num_cpu_blocks is not None, \
             "the number of blocks is set after the profile run"
@@ -23,7 +26,7 @@ class CacheEngine:
         self._device_kv = [torch.zeros((2, self.num_device_blocks, *block_shape), dtype=dtype,
                                        device=self.device)
                            for _ in range(model_config.num_layers)]
-        pin = self.device.type == "cuda"  # pinned memory makes host<->device copies async
+        pin = self.device.type == "cuda"  # page-locked host memory for the device transfers
         self._cpu_kv = [torch.empty((2, self.num_cpu_blocks, *block_shape), dtype=dtype,
                                     pin_memory=pin)
                         for _ in range(model_config.num_layers)]
@@ -31,6 +34,7 @@ class CacheEngine:
         self.device_cache: list[KVCache] = [(kv[0], kv[1]) for kv in self._device_kv]
         self.cpu_cache: list[KVCache] = [(kv[0], kv[1]) for kv in self._cpu_kv]
 
+    @torch.inference_mode()
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """(cpu_block, device_block) pairs: CPU -> device."""
         if not pairs:
@@ -41,6 +45,7 @@ class CacheEngine:
             blocks = cpu_kv.index_select(1, src).to(self.device, non_blocking=True)
             device_kv.index_copy_(1, dst, blocks)
 
+    @torch.inference_mode()
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """(device_block, cpu_block) pairs: device -> CPU."""
         if not pairs:
@@ -50,6 +55,7 @@ class CacheEngine:
         for device_kv, cpu_kv in zip(self._device_kv, self._cpu_kv):
             cpu_kv.index_copy_(1, dst, device_kv.index_select(1, src).cpu())
 
+    @torch.inference_mode()
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         """(src, dst) device block pairs, for copy-on-write. Sources are read before any write."""
         if not pairs:

@@ -5,6 +5,7 @@ import glob
 import json
 import os
 from collections.abc import Iterator
+from contextlib import ExitStack
 
 import torch
 from tqdm import tqdm
@@ -27,17 +28,20 @@ def load_model(model_config: ModelConfig, load_config: LoadConfig, device: torch
 
 def iter_weights(source: ModelSource, load_format: str = "auto",
                  hf_config=None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face parameter name, CPU tensor) for every tensor of the checkpoint."""
+    """(Hugging Face parameter name, CPU tensor) for every tensor of the checkpoint. A missing
+    file fails here, before any tensor is read."""
     if load_format == "auto":
         load_format = "gguf" if source.gguf_file else "safetensors"
     if load_format == "gguf":
         if not source.gguf_file:
             raise ValueError(f"load_format 'gguf' needs a .gguf file, got the folder {source.folder}")
-        return _iter_gguf(source, hf_config)
+        if not os.path.isfile(source.path):
+            raise FileNotFoundError(f"GGUF file {source.path} does not exist")
+        return _iter_gguf(source.path, hf_config or load_hf_config(source))
     if load_format == "safetensors":
         if source.gguf_file:
             raise ValueError(f"load_format 'safetensors' cannot read the GGUF file {source.path}")
-        return _iter_safetensors(source.folder)
+        return _iter_safetensors(_safetensors_files(source.folder))
     raise ValueError(f"load_format must be auto, safetensors or gguf, got {load_format!r}")
 
 
@@ -60,23 +64,21 @@ def _safetensors_files(folder: str) -> list[str]:
     return files
 
 
-def _iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
-    files = _safetensors_files(folder)
-    for path in tqdm(files, desc="Loading safetensors", unit="file", disable=len(files) < 2):
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+    with ExitStack() as stack:
+        handles = [stack.enter_context(safe_open(path, framework="pt")) for path in files]
+        total = sum(len(h.keys()) for h in handles)
+        with tqdm(total=total, desc="Loading safetensors", unit="tensor") as progress:
+            for handle in handles:
+                for name in handle.keys():
+                    yield name, handle.get_tensor(name)
+                    progress.update()
 
 
-def _iter_gguf(source: ModelSource, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_gguf(path: str, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-    path = source.path
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"GGUF file {path} does not exist")
-    if hf_config is None:
-        hf_config = load_hf_config(source)
     # transformers maps GGUF tensor names through a model's parameter names; a skeleton on the
     # meta device gives those names without allocating memory.
     with torch.device("meta"):

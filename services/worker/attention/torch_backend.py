@@ -1,9 +1,21 @@
 """Attention in plain torch on the paged KV cache (CPU, and GPU without Triton)."""
+import itertools
+
 import torch
 
 from kernels.reference import (causal_prefill_attention, paged_decode_attention,
                                prefill_attention, write_kv_cache)
 from services.worker.attention.base import AttentionBackend, AttentionMetadata
+
+
+def padding_pays(query_lens: list[int], seq_lens: list[int]) -> bool:
+    """Whether one padded batch beats a call per sequence: padding costs up to
+    num_seqs * max_query * max_seq score entries, and a call per sequence has its own overhead
+    (measured on the CPU: padded wins for similar lengths, loses for one long prompt among short
+    ones)."""
+    padded = len(query_lens) * max(query_lens) * max(seq_lens)
+    exact = sum(q * s for q, s in zip(query_lens, seq_lens))
+    return padded <= 2 * exact
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -12,34 +24,48 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor | None, v_cache: torch.Tensor | None,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        num_prefills = meta.num_prefills
-        num_prefill_tokens = meta.num_prefill_tokens
         if k_cache is None:
             # Profile run: prompts only, nothing cached.
-            assert meta.num_decode_tokens == 0 and num_prefills == meta.num_seqs
-            return causal_prefill_attention(q, k, v, meta.query_start_loc, meta.max_query_len, scale)
-
+            assert meta.num_decode_tokens == 0
+            return self._prefills(q, k, v, None, None, meta, scale)
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        prefill_out = decode_out = None
-        if num_prefills:
-            prefill_lens = meta.seq_lens_list[:num_prefills]
-            query_start_loc = meta.query_start_loc[:num_prefills + 1]
-            if prefill_lens == meta.query_lens_list[:num_prefills]:
-                # Whole prompts: the step's own K/V are all there is to attend to, no gather.
-                prefill_out = causal_prefill_attention(
-                    q[:num_prefill_tokens], k[:num_prefill_tokens], v[:num_prefill_tokens],
-                    query_start_loc, meta.max_query_len, scale)
-            else:
-                prefill_out = prefill_attention(
-                    q[:num_prefill_tokens], k_cache, v_cache, meta.block_tables[:num_prefills],
-                    query_start_loc, meta.context_lens[:num_prefills],
-                    meta.seq_lens[:num_prefills], meta.max_query_len, max(prefill_lens), scale)
-        if meta.num_decode_tokens:
-            decode_out = paged_decode_attention(
-                q[num_prefill_tokens:], k_cache, v_cache, meta.block_tables[num_prefills:],
-                meta.seq_lens[num_prefills:], max(meta.seq_lens_list[num_prefills:]), scale)
-        if decode_out is None:
-            return prefill_out
-        if prefill_out is None:
+        num_prefill_tokens = meta.num_prefill_tokens
+        if not meta.num_decode_tokens:
+            return self._prefills(q, k, v, k_cache, v_cache, meta, scale)
+        num_prefills = meta.num_prefills
+        decode_out = paged_decode_attention(
+            q[num_prefill_tokens:], k_cache, v_cache, meta.block_tables[num_prefills:],
+            meta.seq_lens[num_prefills:], max(meta.seq_lens_list[num_prefills:]), scale)
+        if not num_prefills:
             return decode_out
+        prefill_out = self._prefills(q[:num_prefill_tokens], k[:num_prefill_tokens],
+                                     v[:num_prefill_tokens], k_cache, v_cache, meta, scale)
         return torch.cat((prefill_out, decode_out))
+
+    def _prefills(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  k_cache: torch.Tensor | None, v_cache: torch.Tensor | None,
+                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Attention of the prefill sequences, q/k/v holding only their tokens."""
+        num_prefills = meta.num_prefills
+        query_lens = meta.query_lens_list[:num_prefills]
+        seq_lens = meta.seq_lens_list[:num_prefills]
+        if padding_pays(query_lens, seq_lens):
+            groups = [(0, num_prefills)]
+        else:
+            groups = [(s, s + 1) for s in range(num_prefills)]
+        starts = list(itertools.accumulate(query_lens, initial=0))
+        outs = []
+        for first, last in groups:
+            t0, t1 = starts[first], starts[last]
+            query_start_loc = meta.query_start_loc[first:last + 1] - t0
+            max_query_len = max(query_lens[first:last])
+            if k_cache is None or query_lens[first:last] == seq_lens[first:last]:
+                # Whole prompts: the step's own K/V are all they attend to, no cache gather.
+                outs.append(causal_prefill_attention(q[t0:t1], k[t0:t1], v[t0:t1],
+                                                     query_start_loc, max_query_len, scale))
+            else:
+                outs.append(prefill_attention(
+                    q[t0:t1], k_cache, v_cache, meta.block_tables[first:last], query_start_loc,
+                    meta.context_lens[first:last], meta.seq_lens[first:last], max_query_len,
+                    max(seq_lens[first:last]), scale))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)

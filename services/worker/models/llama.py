@@ -234,38 +234,31 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face named tensors into the model; every parameter must be filled."""
         params = dict(self.named_parameters())
-        expected = set(params)
-        for name in list(expected):
+        # What must be loaded: whole parameters, and each slice of a fused one.
+        expected = set()
+        for name in params:
             module = name.rsplit(".", 2)[-2]
-            if module in self._shard_rows:
-                expected.remove(name)
-                expected.update(f"{name}#{i}" for i in range(len(self._shard_rows[module])))
+            num_slices = len(self._shard_rows.get(module, [None]))
+            expected.update(f"{name}#{i}" for i in range(num_slices))
         loaded = set()
         for hf_name, tensor in weights:
             if "rotary_emb.inv_freq" in hf_name:
                 continue  # recomputed, not loaded
             if hf_name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # some checkpoints store the tied copy too
-            parts = hf_name.split(".")
-            stacked = _STACKED.get(parts[-2]) if len(parts) >= 2 else None
-            if stacked is not None:
-                fused, index = stacked
-                name = ".".join(parts[:-2] + [fused, parts[-1]])
-                if name not in params:
-                    raise KeyError(f"checkpoint tensor {hf_name!r} has no place in the model")
-                start, rows = self._shard_rows[fused][index]
-                target = params[name].narrow(0, start, rows)
-                key = f"{name}#{index}"
-            else:
-                if hf_name not in params:
-                    raise KeyError(f"checkpoint tensor {hf_name!r} has no place in the model")
-                target = params[hf_name]
-                key = hf_name
+            prefix, module, kind = ([""] + hf_name.rsplit(".", 2))[-3:]
+            fused, index = _STACKED.get(module, (module, 0))
+            name = f"{prefix}.{fused}.{kind}".lstrip(".")
+            if name not in params:
+                raise KeyError(f"checkpoint tensor {hf_name!r} has no place in the model")
+            target = params[name]
+            if fused in self._shard_rows:
+                target = target.narrow(0, *self._shard_rows[fused][index])
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(f"{hf_name}: checkpoint shape {tuple(tensor.shape)}, "
                                  f"model expects {tuple(target.shape)}")
             target.copy_(tensor)
-            loaded.add(key)
+            loaded.add(f"{name}#{index}")
         missing = expected - loaded
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:5]}")
