@@ -9,6 +9,9 @@ class Register:
     instance_id: str  # unique per process (host + pid)
     rank: int = 0  # a worker's rank in its tensor-parallel group
     ready: bool = True
+    # Sent from a background thread on a socket of its own: the process is alive even while
+    # its main thread is inside a long step. Only a non-heartbeat Register routes work.
+    heartbeat: bool = False
 
 
 @dataclass

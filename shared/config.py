@@ -6,11 +6,13 @@ with a message that names the field.
 """
 import argparse
 import dataclasses
+import math
+import os
 from dataclasses import dataclass, field, fields
 
 import torch
 
-from shared.model_source import ModelSource, resolve_model
+from shared.model_source import ModelNotFoundError, ModelSource, resolve_model
 
 
 class ConfigError(ValueError):
@@ -135,16 +137,25 @@ class EngineArgs:
     load_format: str = "auto"
 
     def create_engine_config(self) -> PagodaConfig:
+        self._check_types()
+        if not 0 <= self.seed < 2 ** 63:
+            raise ConfigError("seed", f"must be in [0, 2**63), got {self.seed}")
         device = self._device()
         dtype = self._dtype(device)
-        source = resolve_model(self.model)
+        source = self._resolve("model", self.model)
+        if self.tokenizer is not None:
+            self._resolve("tokenizer", self.tokenizer)
+        if (self.load_format == "gguf" and not source.gguf_file
+                or self.load_format == "safetensors" and source.gguf_file):
+            raise ConfigError("load_format", f"{self.load_format!r} does not match the model "
+                                             f"{source.path}")
         hf_config = load_hf_config(source)
         model_type = getattr(hf_config, "model_type", None)
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise ConfigError("model", f"architecture {model_type!r} is not supported "
                                        f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
         limit = getattr(hf_config, "max_position_embeddings", None) or 2048
-        max_model_len = self.max_model_len or limit
+        max_model_len = limit if self.max_model_len is None else self.max_model_len
         if max_model_len <= 0:
             raise ConfigError("max_model_len", f"must be positive, got {max_model_len}")
         if max_model_len > limit:
@@ -204,6 +215,33 @@ class EngineArgs:
             load_config=LoadConfig(load_format=self.load_format),
         )
 
+    def _check_types(self) -> None:
+        """Each field holds its annotated type (an int where a float goes is fine, a bool where an
+        int goes is not)."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None and "None" in str(f.type):
+                continue
+            if f.type is bool:
+                ok, expected = isinstance(value, bool), "true or false"
+            elif _cli_type(f.type) is float:
+                ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+                      and math.isfinite(value))
+                expected = "a finite number"
+            elif _cli_type(f.type) is int:
+                ok, expected = isinstance(value, int) and not isinstance(value, bool), "an integer"
+            else:
+                ok, expected = isinstance(value, (str, os.PathLike)), "a string"
+            if not ok:
+                raise ConfigError(f.name, f"must be {expected}, got {value!r}")
+
+    @staticmethod
+    def _resolve(field_name: str, path: str | None) -> ModelSource:
+        try:
+            return resolve_model(path)
+        except ModelNotFoundError as e:
+            raise ConfigError(field_name, str(e)) from None
+
     def _device(self) -> torch.device:
         name = self.device
         if name == "auto":
@@ -216,6 +254,9 @@ class EngineArgs:
             raise ConfigError("device", "cuda was asked for but no CUDA device is available")
         if device.type not in ("cpu", "cuda"):
             raise ConfigError("device", f"must be cpu or cuda, got {name!r}")
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            raise ConfigError("device", f"{name!r}: there are {torch.cuda.device_count()} CUDA "
+                                        f"devices")
         return device
 
     def _dtype(self, device: torch.device) -> torch.dtype:

@@ -36,15 +36,23 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
 
     def __post_init__(self):
-        if isinstance(self.stop, str):
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.top_k == -1:
+        elif isinstance(self.stop, tuple):
+            self.stop = list(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, tuple):
+            self.stop_token_ids = list(self.stop_token_ids)
+        if isinstance(self.top_k, int) and self.top_k == -1:
             self.top_k = 0
-        self._verify()
+        self.verify()
 
-    def _verify(self):
+    def verify(self) -> None:
+        """Raise SamplingParamsError naming the first bad field (run at creation; run it again
+        after changing a field)."""
         def fail(name, msg):
             raise SamplingParamsError(name, msg)
 
@@ -84,10 +92,13 @@ class SamplingParams:
                 integer(name, 0)
                 if getattr(self, name) > 20:
                     fail(name, f"must be <= 20, got {getattr(self, name)}")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            fail("stop", "must be non-empty strings")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
-            fail("stop_token_ids", "must be non-negative integers")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            fail("stop", f"must be a non-empty string or a list of them, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                for t in self.stop_token_ids):
+            fail("stop_token_ids", f"must be a list of non-negative integers, "
+                                   f"got {self.stop_token_ids!r}")
         if self.n > 1 and self.is_greedy:
             # n greedy samples would be n copies of one completion.
             fail("n", "n > 1 needs temperature > 0 (greedy sampling gives identical completions)")

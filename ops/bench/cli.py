@@ -4,12 +4,16 @@ import argparse
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench", required=True)
-    from ops.bench import throughput
+    from ops.bench import serve, throughput
     throughput.add_arguments(sub.add_parser("throughput", help=throughput.__doc__.split("\n")[0]))
+    serve.add_arguments(sub.add_parser("serve", help=serve.__doc__.split("\n")[0]))
 
 
 def run(args: argparse.Namespace) -> int:
     if args.bench == "throughput":
         from ops.bench import throughput
         return throughput.run(args)
+    if args.bench == "serve":
+        from ops.bench import serve
+        return serve.run(args)
     raise SystemExit(f"unknown benchmark {args.bench}")

@@ -34,12 +34,16 @@ class LLM:
             raise ValueError("prompts and prompt_token_ids differ in length")
         params = self._params_list(sampling_params, num)
         ids = []
-        for i in range(num):
-            request_id = str(next(self.request_counter))
-            self.llm_engine.add_request(
-                request_id, prompts[i] if prompts is not None else None, params[i],
-                prompt_token_ids=prompt_token_ids[i] if prompt_token_ids is not None else None)
-            ids.append(request_id)
+        try:
+            for i in range(num):
+                request_id = str(next(self.request_counter))
+                self.llm_engine.add_request(
+                    request_id, prompts[i] if prompts is not None else None, params[i],
+                    prompt_token_ids=prompt_token_ids[i] if prompt_token_ids is not None else None)
+                ids.append(request_id)
+        except Exception:
+            self.llm_engine.abort_request(ids)  # all prompts or none: a bad one runs nothing
+            raise
         return self._run_engine(ids, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],

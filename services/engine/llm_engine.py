@@ -80,6 +80,15 @@ class LLMEngine:
                     eos_token_ids: list[int] | None = None) -> SequenceGroup:
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, "
+                            f"got {type(sampling_params).__name__}")
+        sampling_params.verify()  # a field may have been changed since it was created
+        sched = self.config.scheduler_config
+        if sampling_params.n > min(sched.max_num_seqs, sched.max_num_batched_tokens):
+            raise ValueError(f"n={sampling_params.n} samples never fit in one step (max_num_seqs "
+                             f"{sched.max_num_seqs}, max_num_batched_tokens "
+                             f"{sched.max_num_batched_tokens})")
         if prompt_token_ids is None:
             if prompt is None or self.tokenizer is None:
                 raise ValueError("give prompt_token_ids (this engine does not tokenize)"
@@ -244,6 +253,9 @@ class LLMEngine:
     def _append_prompt_logprobs(self, group: SequenceGroup, plp) -> None:
         prompt = group.prompt_token_ids
         for k, pos in enumerate(range(plp.start, plp.start + len(plp.token_logprobs))):
+            if pos < len(group.prompt_logprobs):
+                continue  # recomputed after a preemption: recorded already
+            assert pos == len(group.prompt_logprobs), f"prompt logprobs skip position {pos}"
             entry = dict(zip(plp.top_token_ids[k], plp.top_logprobs[k]))
             entry[prompt[pos]] = plp.token_logprobs[k]
             group.prompt_logprobs.append(entry)

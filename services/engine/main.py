@@ -252,12 +252,15 @@ class EngineService:
         detok = self.detok_of.get(request_id)
         if detok is not None:
             return detok
+        # Prefer those that beat recently; a slow one (a loaded machine) is still better than
+        # none. A dead one is dropped when a send to it fails (ROUTER_MANDATORY).
         now = time.monotonic()
-        live = sorted(k for k, t in self.peers["detokenizer"].items()
-                      if now - t < self.stack.liveness_timeout_s)
-        if not live:
+        known = self.peers["detokenizer"]
+        live = sorted(k for k, t in known.items() if now - t < self.stack.liveness_timeout_s)
+        candidates = live or sorted(known)
+        if not candidates:
             return None
-        detok = live[zlib.crc32(request_id.encode()) % len(live)]
+        detok = candidates[zlib.crc32(request_id.encode()) % len(candidates)]
         self.detok_of[request_id] = detok
         return detok
 

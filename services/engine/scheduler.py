@@ -57,7 +57,6 @@ class Scheduler:
         self.swapped: deque[SequenceGroup] = deque()
         self.num_preemptions = {"recompute": 0, "swap": 0}
         self._finished_seq_ids: list[int] = []  # the worker is told to drop these next step
-        self._freed: set[int] = set()  # sequences whose blocks are released (exactly once)
 
     # -- requests ------------------------------------------------------------------------------
     def add_seq_group(self, seq_group: SequenceGroup) -> None:
@@ -87,17 +86,16 @@ class Scheduler:
     def free_finished_seq_groups(self) -> None:
         for group in self.running:
             for seq in group.seqs:
-                if seq.is_finished() and seq.seq_id not in self._freed:
+                if seq.is_finished() and not seq.released:
                     self._free_seq(seq)
         self.running = [g for g in self.running if not g.is_finished()]
 
     def _free_seq(self, seq: Sequence) -> None:
-        if seq.seq_id in self._freed:
+        if seq.released:
             return
-        if seq.status in (SequenceStatus.RUNNING, SequenceStatus.SWAPPED) or seq.is_finished():
-            self.block_manager.free(seq)
-        self._freed.add(seq.seq_id)
-        if seq.worker_synced or seq.num_blocks_sent:
+        self.block_manager.free(seq)  # a no-op for a sequence that holds no blocks
+        seq.released = True
+        if seq.seen_by_worker:
             self._finished_seq_ids.append(seq.seq_id)
 
     # -- the step ------------------------------------------------------------------------------
@@ -122,7 +120,9 @@ class Scheduler:
         return metadata, out
 
     def _schedule_running(self, out: SchedulerOutputs, budget: _Budget) -> bool:
-        queue = deque(self.running)
+        # Arrival order (swap-in and readmission after recompute can append out of order), so
+        # the victims popped from the end are the groups that arrived last.
+        queue = deque(sorted(self.running, key=lambda g: g.metrics.arrival_time))
         self.running = []
         preempted = False
         while queue:
@@ -157,7 +157,8 @@ class Scheduler:
                 out.ignored_seq_groups.append(group)
                 continue
             if (status != AllocStatus.OK
-                    or len(self._running_seqs()) + len(seqs) > self.config.max_num_seqs
+                    or self._num_running_seqs() + group.max_num_running_seqs()
+                    > self.config.max_num_seqs
                     or budget.tokens_left < len(seqs)):
                 break
             self.swapped.popleft()
@@ -177,20 +178,27 @@ class Scheduler:
             if len(seqs[0]) > self.config.max_model_len:
                 self._ignore(group, out)
                 continue
-            if len(self._running_seqs()) + len(seqs) > self.config.max_num_seqs:
+            if self._num_running_seqs() + group.max_num_running_seqs() > self.config.max_num_seqs:
                 break
             want = len(seqs[0]) if not self.config.enable_chunked_prefill else min(
                 len(seqs[0]), budget.tokens_left)
             if not self.config.enable_chunked_prefill and want > budget.tokens_left:
                 break
-            status = self.block_manager.can_allocate(group, want)
+            # The whole sequence must fit in the cache, not only its first chunk: one that never
+            # can would be preempted mid-prefill and readmitted forever.
+            status = self.block_manager.can_allocate(group, len(seqs[0]))
+            if status != AllocStatus.NEVER and want < len(seqs[0]):
+                status = self.block_manager.can_allocate(group, want)
             if status == AllocStatus.NEVER:
                 self._ignore(group, out)
                 continue
             if status == AllocStatus.LATER:
                 break
-            # Sequences of a group advance in lockstep: all take the same prefix hit.
+            # Sequences of a group advance in lockstep: all take the same prefix hit. Prompt
+            # logprobs need every prompt position computed once.
             cap = min(self.block_manager.get_num_cached_tokens(s) for s in seqs)
+            if group.prompt_logprobs is not None and len(group.prompt_logprobs) < group.prompt_len:
+                cap = 0
             for seq in seqs:
                 seq.num_computed_tokens = self.block_manager.allocate_prefix(seq, cap)
                 seq.status = SequenceStatus.RUNNING
@@ -217,8 +225,11 @@ class Scheduler:
         # Sequences of one group advance in lockstep (forked together, preempted together).
         assert len(uncomputed) == 1, f"sequences of a group out of step: {uncomputed}"
         need = uncomputed.pop()
-        if need > 1 and not self.config.enable_chunked_prefill:
+        if (need > 1 and not self.config.enable_chunked_prefill
+                and need * len(seqs) <= self.config.max_num_batched_tokens):
             return need if need * len(seqs) <= budget.tokens_left else 0
+        # Chunked prefill; or, without it, forks resumed by recompute that together outgrow any
+        # step (each alone fits): in chunks, or never.
         return max(0, min(need, budget.tokens_left // len(seqs)))
 
     def _schedule_group(self, group: SequenceGroup, seqs: list[Sequence], chunk: int,
@@ -256,7 +267,7 @@ class Scheduler:
                                   new_token_ids=list(seq.token_ids), block_ids=table, reset=True,
                                   sample_index=seq.sample_index)
                 send_params = True
-            seq.worker_synced = True
+            seq.worker_synced = seq.seen_by_worker = True
             seq.num_blocks_sent = len(table)
             seq_data.append(sd)
         send_params = send_params or not group.params_sent
@@ -275,7 +286,9 @@ class Scheduler:
             out.blocks_to_swap_out.extend(self.block_manager.swap_out(group))
             for seq in group.get_seqs(SequenceStatus.RUNNING):
                 seq.status = SequenceStatus.SWAPPED
-            self.swapped.append(group)
+            # Victims go last-arrived first, and arrived before any group already swapped out:
+            # at the front, the swapped queue stays in arrival order.
+            self.swapped.appendleft(group)
             self.num_preemptions["swap"] += 1
             return
         for seq in group.get_seqs(SequenceStatus.RUNNING):
@@ -292,9 +305,8 @@ class Scheduler:
 
     def _ignore(self, group: SequenceGroup, out: SchedulerOutputs) -> None:
         self.waiting.popleft()
-        for seq in group.unfinished_seqs():
-            seq.status = SequenceStatus.FINISHED_LENGTH
+        self._free_group(group, SequenceStatus.FINISHED_LENGTH)  # preempted: the worker knows it
         out.ignored_seq_groups.append(group)
 
-    def _running_seqs(self) -> list[Sequence]:
-        return [s for g in self.running for s in g.get_seqs(SequenceStatus.RUNNING)]
+    def _num_running_seqs(self) -> int:
+        return sum(g.max_num_running_seqs() for g in self.running)

@@ -45,6 +45,10 @@ class Sequence:
         # What the worker holds of this sequence: see proto.SequenceData.
         self.worker_synced = False  # the worker has this sequence's tokens
         self.num_blocks_sent = 0  # block table entries the worker has
+        # The worker has held state for it at some point (a preempted sequence's stays there):
+        # it must be told to drop it when the sequence ends.
+        self.seen_by_worker = False
+        self.released = False  # its blocks are freed and the worker told, exactly once
         self.parent_seq_id = -1  # set on a fork until the worker has seen the child
         # Tokens scheduled to be sampled whose values the engine has not read yet (the step is in
         # flight); they sit at the end of `token_ids` as PLACEHOLDER.
@@ -127,7 +131,8 @@ class SequenceGroup:
         self.seqs: list[Sequence] = [first_seq]
         self.seed = seed
         self.eos_token_ids = eos_token_ids
-        self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
+        self.metrics = RequestMetrics(
+            arrival_time=time.time() if arrival_time is None else arrival_time)
         self.params_sent = False  # the worker has this request's sampling parameters
         self.error: str | None = None  # why the engine could not serve it, if it could not
         self.header_sent = False  # the detokenizer has this request's parameters
@@ -152,6 +157,13 @@ class SequenceGroup:
 
     def is_finished(self) -> bool:
         return all(s.is_finished() for s in self.seqs)
+
+    def max_num_running_seqs(self) -> int:
+        """Sequences this group runs: n from the prompt's last chunk on (the worker samples n first
+        tokens from it), fewer as samples finish."""
+        if len(self.seqs) == 1 and self.first_seq.num_output_tokens == 0:
+            return self.sampling_params.n
+        return len(self.unfinished_seqs())
 
     def is_prefill(self) -> bool:
         return any(s.num_uncomputed_tokens > 1 for s in self.unfinished_seqs()) or (

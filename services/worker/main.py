@@ -3,6 +3,7 @@ import argparse
 import os
 import signal
 import socket
+import threading
 import time
 
 import zmq
@@ -53,6 +54,8 @@ class WorkerService:
         self.sock.setsockopt_string(zmq.IDENTITY, f"worker-{rank}-{self.instance_id}")
         self.sock.connect(stack.worker_addr)
         self._stop = False
+        self._heartbeat = threading.Thread(target=self._send_heartbeats, name="worker-heartbeat",
+                                           daemon=True)
         self.status = "ok"
 
     def _health(self) -> tuple[str, dict]:
@@ -62,17 +65,13 @@ class WorkerService:
     def serve(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_stop", True))
         signal.signal(signal.SIGINT, lambda *_: setattr(self, "_stop", True))
-        heartbeat_every = self.stack.liveness_timeout_s / 4
         self._register()
-        last_beat = time.monotonic()
+        self._heartbeat.start()
         last_done = None  # when the previous step's output went out
         log.info("worker ready", rank=self.rank, engine=self.stack.worker_addr)
         try:
             while not self._stop:
-                if time.monotonic() - last_beat > heartbeat_every:
-                    self._register()
-                    last_beat = time.monotonic()
-                if not self.sock.poll(int(heartbeat_every * 1000)):
+                if not self.sock.poll(1000):
                     last_done = None  # no steps flowing: not idle time between passes
                     continue
                 frame = self.sock.recv()
@@ -90,6 +89,17 @@ class WorkerService:
 
     def _register(self) -> None:
         self.sock.send(encode(Register("worker", self.instance_id, self.rank)))
+
+    def _send_heartbeats(self) -> None:
+        sock = make_socket(self.ctx, zmq.DEALER)
+        sock.connect(self.stack.worker_addr)
+        beat = encode(Register("worker", self.instance_id, self.rank, heartbeat=True))
+        try:
+            while not self._stop:
+                sock.send(beat)
+                time.sleep(self.stack.liveness_timeout_s / 4)
+        finally:
+            sock.close(0)
 
     def _answer(self, frame: bytes) -> bytes | None:
         try:
@@ -114,6 +124,9 @@ class WorkerService:
             return encode(WorkerReply(msg.call_id, [], f"{type(e).__name__}: {e}"))
 
     def close(self) -> None:
+        self._stop = True
+        if self._heartbeat.is_alive():
+            self._heartbeat.join(timeout=self.stack.liveness_timeout_s)
         self.control.close()
         self.sock.close(0)
         self.ctx.term()

@@ -37,7 +37,8 @@ class ZmqExecutor(Executor):
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         bind(self.sock, stack.worker_addr)
         self.workers: dict[int, bytes] = {}  # rank -> routing identity
-        self.last_seen: dict[bytes, float] = {}
+        self.instance_of: dict[bytes, str] = {}  # routing identity -> worker instance
+        self.last_seen: dict[str, float] = {}  # worker instance -> last frame or heartbeat
         self.call_ids = itertools.count()
         self.in_flight: deque[int] = deque()  # step ids submitted, not collected
         self.last_request_bytes = 0
@@ -60,15 +61,28 @@ class ZmqExecutor(Executor):
 
     def _recv_one(self, expect):
         """Receive one frame; handle registrations/heartbeats; return a message of `expect`."""
-        identity, frame = self.sock.recv_multipart()
-        self.last_seen[identity] = time.monotonic()
+        frames = self.sock.recv_multipart()
+        identity, frame = frames[0], frames[-1]  # a well-formed peer sends one frame
+        if identity in self.instance_of:
+            self.last_seen[self.instance_of[identity]] = time.monotonic()
         try:
             msg = decode(frame)
         except CodecError as e:
             log.warning("dropped a bad frame from a worker", error=str(e))
             return None
         if isinstance(msg, Register):
-            if self.workers.get(msg.rank) != identity:
+            self.last_seen[msg.instance_id] = time.monotonic()
+            if msg.heartbeat or msg.service != "worker":
+                return None
+            current = self.workers.get(msg.rank)
+            if current is not None and current != identity and self._alive(current):
+                # A rank is taken until its worker stops beating: a stray or duplicate
+                # registration must not steal the steps of a live worker.
+                log.warning("registration for a taken rank ignored", rank=msg.rank,
+                            instance=msg.instance_id)
+                return None
+            self.instance_of[identity] = msg.instance_id
+            if current != identity:
                 log.info("worker registered", rank=msg.rank, instance=msg.instance_id)
                 self.workers[msg.rank] = identity
             return None
@@ -80,12 +94,17 @@ class ZmqExecutor(Executor):
         log.warning("unexpected message from a worker", type=type(msg).__name__)
         return None
 
+    def _alive(self, identity: bytes) -> bool:
+        seen = self.last_seen.get(self.instance_of.get(identity), 0.0)
+        return time.monotonic() - seen < self.stack.liveness_timeout_s
+
     def _wait_for(self, expect, from_identity: bytes):
         timeout = self.stack.liveness_timeout_s
         while True:
             if not self.sock.poll(int(timeout * 1000)):
-                if time.monotonic() - self.last_seen.get(from_identity, 0) > timeout:
-                    raise WorkerLost(f"worker {from_identity!r} silent for {timeout:.0f} s")
+                instance = self.instance_of.get(from_identity)
+                if time.monotonic() - self.last_seen.get(instance, 0) > timeout:
+                    raise WorkerLost(f"worker {instance} sent no heartbeat for {timeout:.0f} s")
                 continue
             got = self._recv_one(expect)
             if got is not None and got[0] == from_identity:

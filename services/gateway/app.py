@@ -1,0 +1,254 @@
+"""The gateway's FastAPI app: OpenAI-compatible routes over an `AsyncEngineClient`.
+
+`create_app(client, settings)`; the caller owns the client (and closes it after the server).
+"""
+import asyncio
+import secrets
+import time
+import uuid
+from dataclasses import dataclass
+
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from services.gateway.client import EngineRequestError
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.openai_serving import (APIError, ChatServing, CompletionServing,
+                                             api_error_from_engine, error_body)
+from services.gateway.schemas import (ChatCompletionRequest, CompletionRequest, ModelCard,
+                                      ModelList)
+from services.gateway.stack_health import StackHealth
+from shared.logging import get_logger
+
+log = get_logger("gateway")
+
+
+@dataclass
+class GatewaySettings:
+    model_name: str
+    max_model_len: int | None = None
+    api_key: str | None = None  # when set, /v1/* needs `Authorization: Bearer <key>`
+    max_pending_requests: int = 512  # generation requests in flight here; past it, 429
+    health_ttl_s: float = 1.0  # how long a probe of the engine's health is reused
+    tokenizer: str | None = None  # loaded on first use, only to echo token-id prompts
+    disconnect_poll_s: float = 0.25
+
+
+class PendingRequests:
+    """Counts generation requests in flight; refuses past the limit instead of queueing."""
+
+    def __init__(self, limit: int, metrics: GatewayMetrics):
+        self.limit = limit
+        self.count = 0
+        self.metrics = metrics
+
+    def try_acquire(self):
+        """A `release` callable (safe to call twice), or None when the gateway is full."""
+        if self.count >= self.limit:
+            return None
+        self.count += 1
+        self.metrics.pending.set(self.count)
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.count -= 1
+                self.metrics.pending.set(self.count)
+        return release
+
+
+class PromptDecoder:
+    """Turns token-id prompts back into text for `echo`; loads the tokenizer on first use."""
+
+    def __init__(self, tokenizer_path: str | None):
+        self.tokenizer_path = tokenizer_path
+        self._tokenizer = None
+
+    async def __call__(self, token_ids: list[int]) -> str:
+        if self._tokenizer is None:
+            from shared.tokenizer import get_tokenizer
+            self._tokenizer = await asyncio.to_thread(get_tokenizer, self.tokenizer_path)
+        return self._tokenizer.decode(token_ids)
+
+
+def _json_error(status: int, message: str, param: str | None = None, code: str | None = None,
+                headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status,
+                        headers=headers)
+
+
+def _validation_param(loc: tuple) -> str | None:
+    """The field a pydantic error blames, as OpenAI names nested ones: `messages[0].role`."""
+    parts = list(loc[1:]) if loc and loc[0] == "body" else list(loc)
+    if not parts or not isinstance(parts[0], str):
+        return None
+    param, previous = parts[0], parts[0]
+    for part in parts[1:]:
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif isinstance(previous, int):  # a field of a list item (a message's role)
+            param += f".{part}"
+        else:
+            break  # a union branch's type name: not a field
+        previous = part
+    return param
+
+
+class RequestContext:
+    """Plain ASGI middleware: gives each HTTP request an id bound into every log line, checks
+    the API key on /v1/*, and logs one line per request."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None):
+        self.app = app
+        self.api_key = api_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        request_id = uuid.uuid4().hex
+        headers = {k.decode().lower(): v.decode(errors="replace") for k, v in scope["headers"]}
+        scope.setdefault("state", {})["request_id"] = request_id
+        # Each request runs in its own task, so this binding is the request's alone.
+        structlog.contextvars.bind_contextvars(request_id=request_id)
+        if "x-request-id" in headers:
+            structlog.contextvars.bind_contextvars(client_request_id=headers["x-request-id"])
+        status = {"code": 0}
+        start = time.perf_counter()
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+                message.setdefault("headers", [])
+                message["headers"] = list(message["headers"]) + [
+                    (b"x-request-id", request_id.encode())]
+            await send(message)
+
+        try:
+            if scope["path"].startswith("/v1/") and not self._authorized(headers):
+                response = _json_error(
+                    401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
+                    code="invalid_api_key")
+                await response(scope, receive, send_with_id)
+                return
+            await self.app(scope, receive, send_with_id)
+        finally:
+            log.info("http request", method=scope["method"], path=scope["path"],
+                     status=status["code"], duration_s=round(time.perf_counter() - start, 4))
+            structlog.contextvars.unbind_contextvars("request_id", "client_request_id")
+
+    def _authorized(self, headers: dict[str, str]) -> bool:
+        if not self.api_key:
+            return True
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(),
+                                                                     self.api_key.encode())
+
+
+def create_app(client, settings: GatewaySettings) -> FastAPI:
+    metrics = GatewayMetrics(settings.model_name)
+    health = StackHealth(client, ttl_s=settings.health_ttl_s)
+    pending = PendingRequests(settings.max_pending_requests, metrics)
+    decoder = PromptDecoder(settings.tokenizer)
+    completions = CompletionServing(client, settings.model_name, metrics, decoder,
+                                    settings.disconnect_poll_s)
+    chat = ChatServing(client, settings.model_name, metrics, decoder, settings.disconnect_poll_s)
+
+    app = FastAPI(title="pagoda", description="OpenAI-compatible API of a pagoda stack")
+    app.state.metrics, app.state.health, app.state.pending = metrics, health, pending
+    app.add_middleware(RequestContext, api_key=settings.api_key)
+
+    # -- errors as OpenAI's error object ---------------------------------------------------------
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        param = _validation_param(tuple(errors[0]["loc"])) if errors else None
+        same = [e for e in errors if _validation_param(tuple(e["loc"])) == param] or errors
+        message = "; ".join(dict.fromkeys(e["msg"] for e in same)) or "invalid request"
+        metrics.observe_error(400)
+        return _json_error(400, f"{param}: {message}" if param else message, param)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError):
+        metrics.observe_error(exc.status)
+        log.info("request refused", status=exc.status, error=exc.message)
+        return _json_error(exc.status, exc.message, exc.param, exc.code, exc.headers)
+
+    @app.exception_handler(EngineRequestError)
+    async def on_engine_error(request: Request, exc: EngineRequestError):
+        return await on_api_error(request, api_error_from_engine(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException):
+        return _json_error(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception):
+        log.exception("unexpected error")
+        metrics.observe_error(500)
+        return _json_error(500, f"internal error: {exc}")
+
+    # -- generation ------------------------------------------------------------------------------
+    async def admit(request: Request):
+        """Refuse at once when this gateway is full (429) or the stack cannot serve (503)."""
+        release = pending.try_acquire()
+        if release is None:
+            raise APIError(429, f"too many requests in flight (limit "
+                                f"{settings.max_pending_requests}); retry later",
+                           code="rate_limit_exceeded", headers={"Retry-After": "1"})
+        try:
+            status = await health.status()
+        except BaseException:
+            release()
+            raise
+        if not status.ready:
+            release()
+            raise APIError(503, f"the stack cannot serve requests: {status.explain()}")
+        return release
+
+    async def serve(serving, body, request: Request) -> Response:
+        release = await admit(request)
+        try:
+            return await serving.create(body, request, request.state.request_id, release)
+        except BaseException:
+            release()
+            raise
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        return await serve(completions, body, request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+        return await serve(chat, body, request)
+
+    # -- information -----------------------------------------------------------------------------
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        card = ModelCard(id=settings.model_name, max_model_len=settings.max_model_len)
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.get("/health")
+    async def get_health() -> JSONResponse:
+        status = await health.status()
+        details = status.health.details if status.health is not None else {}
+        body = {"status": "ok" if status.ready else "unavailable",
+                "engine": status.health.status if status.health is not None else "down",
+                **{key: details.get(key, 0) for key in ("workers", "tokenizers", "detokenizers")}}
+        if not status.ready:
+            body["missing"] = status.missing
+            body["message"] = status.explain()
+        return JSONResponse(body, status_code=200 if status.ready else 503)
+
+    @app.get("/metrics")
+    async def get_metrics() -> Response:
+        metrics.update_from_health((await health.status()).health)
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,111 @@
+"""`pagoda gateway`: the OpenAI-compatible HTTP API (uvicorn) in front of a pagoda stack.
+
+It takes the engine's flags (for the served model's name and its tokenizer) and the stack's
+addresses, like every other service, so one command line starts any of them.
+"""
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+
+import uvicorn
+
+from shared.config import EngineArgs
+from shared.logging import configure, get_logger
+from shared.stack_config import StackConfig
+
+log = get_logger("gateway")
+
+
+class GatewayServer(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):
+        """SIGINT / SIGTERM stop serving. Unlike uvicorn's own, this does not raise the signal
+        again once the server is down, so the gateway's cleanup (aborts, sockets) still runs."""
+        original = {sig: signal.signal(sig, self.handle_exit)
+                    for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("gateway")
+    g.add_argument("--instance", default="0", help="names this process's control socket")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on /v1/* (default: $PAGODA_API_KEY)")
+    g.add_argument("--served-model-name", default=None,
+                   help="the name /v1/models shows and requests use (default: the model's)")
+    g.add_argument("--max-pending-requests", type=int, default=512,
+                   help="generation requests in flight in this gateway; past it, 429 at once")
+    g.add_argument("--request-timeout", type=float, default=60.0,
+                   help="seconds without output from the engine after which a request fails "
+                        "(503, or an error event in a stream)")
+    EngineArgs.add_cli_args(parser)
+    StackConfig.add_cli_args(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    configure("gateway")
+    import zmq
+
+    from services.gateway.app import GatewaySettings, create_app
+    from services.gateway.client import AsyncEngineClient
+    from shared.model_source import resolve_model
+    from shared.sockets import ControlServer
+
+    if args.max_pending_requests < 1:
+        raise SystemExit("--max-pending-requests must be at least 1")
+    if args.request_timeout <= 0:
+        raise SystemExit("--request-timeout must be positive")
+    stack = StackConfig.from_cli_args(args)
+    settings = GatewaySettings(
+        model_name=args.served_model_name or resolve_model(args.model).name,
+        max_model_len=args.max_model_len,
+        api_key=args.api_key or os.environ.get("PAGODA_API_KEY") or None,
+        max_pending_requests=args.max_pending_requests,
+        tokenizer=args.tokenizer or args.model)
+    # uvicorn's own access log is replaced by the app's one structured line per request.
+    logging.getLogger("uvicorn.access").disabled = True
+
+    url = f"http://{args.host}:{args.port}"
+
+    async def serve() -> None:
+        client = AsyncEngineClient(stack, output_timeout_s=args.request_timeout)
+        app = create_app(client, settings)
+        server = GatewayServer(uvicorn.Config(app, host=args.host, port=args.port,
+                                              access_log=False, log_level="warning",
+                                              timeout_graceful_shutdown=5))
+
+        def status() -> tuple[str, dict]:
+            # This process's own health (the launcher's and compose's probes): up once HTTP
+            # is served. The stack's health is GET /health.
+            return ("ok" if server.started else "starting",
+                    {"url": url, "requests_in_flight": app.state.pending.count})
+
+        ctx = zmq.Context()
+        control = ControlServer(ctx, stack.control_for("gateway", args.instance), "gateway",
+                                status).start()
+        log.info("gateway starting", url=url, model=settings.model_name,
+                 requests=stack.request_input, auth=settings.api_key is not None,
+                 max_pending_requests=settings.max_pending_requests)
+        try:
+            await server.serve()
+        finally:
+            if client.streams:  # requests cut off by the shutdown: free their blocks now
+                with contextlib.suppress(Exception):
+                    await client.abort(list(client.streams), reason="gateway stopping")
+            control.close()
+            client.close()
+            ctx.term()
+            log.info("gateway stopped")
+
+    asyncio.run(serve())
+    return 0
+

@@ -1,0 +1,57 @@
+"""The stack's health as the gateway sees it: the engine's HealthResponse, probed at most once per
+`ttl_s`, so that checking it before every request costs nothing while the stack is up and at most
+one probe timeout while it is down."""
+import asyncio
+import time
+from dataclasses import dataclass
+
+from proto.requests import HealthResponse
+from services.gateway.metrics import SERVICE_COUNTS
+
+
+@dataclass
+class StackStatus:
+    health: HealthResponse | None
+
+    @property
+    def missing(self) -> list[str]:
+        """Services without a live process; empty when the stack can serve."""
+        if self.health is None or self.health.status != "ok":
+            return ["engine"]
+        return [service for service, key in SERVICE_COUNTS.items()
+                if not int(self.health.details.get(key) or 0)]
+
+    @property
+    def ready(self) -> bool:
+        return not self.missing
+
+    def explain(self) -> str:
+        if self.health is None:
+            return "the engine is not answering"
+        if self.health.status != "ok":
+            return f"the engine is {self.health.status}"
+        return "no live " + ", ".join(self.missing) + " process"
+
+
+class StackHealth:
+    def __init__(self, client, ttl_s: float = 1.0, probe_timeout_s: float = 1.0):
+        self.client = client
+        self.ttl_s = ttl_s
+        self.probe_timeout_s = probe_timeout_s
+        self._status: StackStatus | None = None
+        self._checked_at = 0.0
+        self._probe: asyncio.Task | None = None
+
+    async def status(self) -> StackStatus:
+        if self._status is not None and time.monotonic() - self._checked_at < self.ttl_s:
+            return self._status
+        # Concurrent callers share one probe instead of each waiting for its own.
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.ensure_future(self._refresh())
+        return await asyncio.shield(self._probe)
+
+    async def _refresh(self) -> StackStatus:
+        health = await self.client.health(self.probe_timeout_s)
+        self._status = StackStatus(health)
+        self._checked_at = time.monotonic()
+        return self._status

@@ -1,0 +1,57 @@
+"""Fixtures shared by the engine tests: the default model in transformers (the reference), its
+tokenizer, and one offline LLM on the default model with default settings (a small KV cache)."""
+import pytest
+import torch
+
+from shared.model_source import resolve_model
+
+# The test machine's few cores are shared: with more than one intra-op thread, OpenMP threads
+# spin against each other and a model step takes several times longer.
+torch.set_num_threads(1)
+
+
+class Reference:
+    """The default model in transformers, fp32: greedy `generate` (memoised, since several
+    tests compare against the same prompts) and raw log-softmax over a token sequence."""
+
+    def __init__(self):
+        from transformers import AutoModelForCausalLM
+        source = resolve_model(None)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            source.folder, gguf_file=source.gguf_file, dtype=torch.float32).eval()
+        self._greedy: dict[tuple, list[int]] = {}
+
+    @torch.no_grad()
+    def greedy(self, prompt_token_ids: list[int], max_new_tokens: int) -> list[int]:
+        key = (tuple(prompt_token_ids), max_new_tokens)
+        if key not in self._greedy:
+            out = self.model.generate(torch.tensor([prompt_token_ids]), do_sample=False,
+                                      max_new_tokens=max_new_tokens,
+                                      attention_mask=torch.ones(1, len(prompt_token_ids),
+                                                                dtype=torch.long))
+            self._greedy[key] = out[0, len(prompt_token_ids):].tolist()
+        return self._greedy[key]
+
+    @torch.no_grad()
+    def log_softmax(self, token_ids: list[int]) -> torch.Tensor:
+        """[len(token_ids), vocab]: row p is the distribution of the token after position p."""
+        return self.model(torch.tensor([token_ids])).logits[0].float().log_softmax(-1)
+
+
+@pytest.fixture(scope="session")
+def reference() -> Reference:
+    return Reference()
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The default model's tokenizer, loaded once per process (the engine shares it)."""
+    from shared.tokenizer import get_tokenizer
+    return get_tokenizer(resolve_model(None).path)
+
+
+@pytest.fixture(scope="session")
+def llm():
+    """Default settings but a small KV cache and swap space, which are quicker to allocate."""
+    from pagoda import LLM
+    return LLM(kv_cache_space_gib=0.25, swap_space=0.05)

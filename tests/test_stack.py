@@ -1,0 +1,228 @@
+"""The ZMQ stack as `pagoda serve` runs it (real processes, real sockets), against the
+in-process engine: same outputs, tokenizers scale, stops and aborts, bad frames survived."""
+import asyncio
+import time
+
+import pytest
+import zmq
+
+from ops.launcher import LocalStack
+from pagoda import LLM, AsyncEngineClient, SamplingParams
+from proto.codec import decode, encode
+from proto.control import Register
+from proto.requests import AbortRequest, ErrorResponse, GenerateRequest, HealthRequest
+from shared.sockets import probe_health
+
+ENGINE_ARGS = {"kv_cache_space_gib": 0.25, "max_num_seqs": 16}
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "1, 2, 3, 4,",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "Translate 'good morning' into Spanish:",
+    "A short list of fruits: apple,",
+    "Q: What is the boiling point of water? A:",
+    "import numpy as np\n",
+    "The quick brown fox",
+    "In 1492,",
+    "My favourite book is",
+    "Dear customer,",
+    "The largest planet in the solar system is",
+    "Here is a recipe for pancakes:",
+]
+
+
+@pytest.fixture(scope="module")
+def stack():
+    with LocalStack(engine_args=ENGINE_ARGS, gateway=False, tokenizers=2) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return LLM(**ENGINE_ARGS)
+
+
+async def _collect(client, prompt, params, request_id=None):
+    text, tokens, finish = "", [], None
+    async for out in client.generate(prompt, params, request_id=request_id):
+        text += out.outputs[0].text
+        tokens += out.outputs[0].token_ids
+        finish = out.outputs[0].finish_reason
+    return text, tokens, finish
+
+
+def _run(stack, coro_fn):
+    async def main():
+        client = AsyncEngineClient(stack.stack_config)
+        try:
+            return await coro_fn(client)
+        finally:
+            client.close()
+    return asyncio.run(main())
+
+
+def _engine(stack) -> dict:
+    return probe_health(stack.stack_config.engine_control, 5).details
+
+
+def _wait_idle(stack, timeout_s=30.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        details = _engine(stack)
+        if (details["running"] == 0 and details["waiting"] == 0) or time.monotonic() > deadline:
+            return details
+        time.sleep(0.2)
+
+
+def test_16_concurrent_greedy_requests_match_the_in_process_engine(stack, offline):
+    params = SamplingParams(temperature=0, max_tokens=24)
+    expected = offline.generate(PROMPTS, params, use_tqdm=False)
+    got = _run(stack, lambda c: asyncio.gather(*(_collect(c, p, params) for p in PROMPTS)))
+    for want, (text, tokens, finish) in zip(expected, got):
+        assert tokens == want.outputs[0].token_ids
+        assert text == want.outputs[0].text
+        assert finish == want.outputs[0].finish_reason
+    print(f"\n{len(PROMPTS)} concurrent requests through the stack: "
+          f"{sum(len(t) for _, t, _ in got)} tokens identical to the in-process engine")
+
+
+def test_both_tokenizers_receive_work(stack):
+    params = SamplingParams(temperature=0, max_tokens=2)
+    _run(stack, lambda c: asyncio.gather(*(_collect(c, p, params) for p in PROMPTS)))
+    handled = [probe_health(stack.stack_config.control_for("tokenizer", i), 5).details["handled"]
+               for i in range(2)]
+    assert all(h > 0 for h in handled), handled
+
+
+def test_stop_strings_are_honoured(stack, offline):
+    prompt = "1, 2, 3, 4,"
+    full = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=24),
+                            use_tqdm=False)[0].outputs[0].text
+    stop = full.strip().split(",")[2].strip() if full.count(",") >= 3 else full[5:8]
+    assert stop and stop in full
+    text, _, finish = _run(stack, lambda c: _collect(
+        c, prompt, SamplingParams(temperature=0, max_tokens=24, stop=[stop])))
+    assert finish == "stop"
+    assert text == full[:full.index(stop)]
+    with_stop, _, _ = _run(stack, lambda c: _collect(c, prompt, SamplingParams(
+        temperature=0, max_tokens=24, stop=[stop], include_stop_str_in_output=True)))
+    assert with_stop == full[:full.index(stop) + len(stop)]
+
+
+def test_an_abort_frees_the_requests_blocks(stack):
+    params = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
+
+    async def start_then_leave(client):
+        gen = client.generate("Tell me a very long story.", params, request_id="to-abort")
+        async for out in gen:
+            if out.num_output_tokens and out.num_output_tokens >= 4:
+                break  # leaving the stream aborts the request
+        await gen.aclose()
+        await asyncio.sleep(0.5)
+
+    _run(stack, start_then_leave)
+    details = _wait_idle(stack)
+    assert details["running"] == 0
+    assert details["kv_cache_usage"] == 0.0
+
+
+def test_an_explicit_abort_ends_the_stream(stack):
+    params = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
+
+    async def abort_midway(client):
+        async def consume():
+            n = 0
+            async for out in client.generate("Count to a thousand.", params, request_id="abort-me"):
+                n += len(out.outputs[0].token_ids)
+            return n
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(2.0)
+        await client.abort("abort-me")
+        await asyncio.sleep(1.0)
+        task.cancel()
+        return None
+
+    _run(stack, abort_midway)
+    details = _wait_idle(stack)
+    assert details["running"] == 0 and details["kv_cache_usage"] == 0.0
+
+
+BAD_FRAMES = [b"", b"\x00", b"garbage \xff\xfe", b"\x93\x01\x01", encode(HealthRequest())[:-1] + b"\xc1",
+              encode(AbortRequest(["x"], "y"))[:3], b"\x92\x63\x01",  # unknown tag
+              b"\x92\x01\x63",  # GenerateRequest with an unknown version
+              encode(Register("worker", "fake", 0))]  # right type on the wrong socket
+
+
+def test_malformed_frames_to_every_socket_are_dropped_and_service_goes_on(stack):
+    cfg = stack.stack_config
+    ctx = zmq.Context()
+    try:
+        # Frames each service's bound or connected sockets can receive from outside.
+        push_targets = [cfg.request_input, cfg.engine_input]
+        for addr in push_targets:
+            sock = ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.connect(addr)
+            for frame in BAD_FRAMES + [b"\x00" * 70_000_000]:
+                sock.send(frame)
+            sock.close()
+        for addr in (cfg.worker_addr, cfg.detokenizer_addr):  # the engine's ROUTERs
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.connect(addr)
+            for frame in BAD_FRAMES:
+                sock.send(frame)
+            sock.close()
+        controls = [cfg.engine_control, cfg.control_for("worker", 0), cfg.control_for("detokenizer", 0),
+                    cfg.control_for("tokenizer", 0), cfg.control_for("tokenizer", 1)]
+        for addr in controls:
+            for frame in BAD_FRAMES[:4]:
+                sock = ctx.socket(zmq.REQ)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.RCVTIMEO, 5000)
+                sock.connect(addr)
+                sock.send(frame)
+                reply = decode(sock.recv())  # answered with an error, not silence or a crash
+                assert isinstance(reply, ErrorResponse), (addr, frame, reply)
+                sock.close()
+        # A GenerateRequest whose return address is junk must not hurt anyone either.
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.connect(cfg.request_input)
+        sock.send(encode(GenerateRequest("junk-return", "not-an-address", "hi",
+                                         SamplingParams(max_tokens=2), 0.0)))
+        sock.close()
+    finally:
+        ctx.destroy(linger=1000)
+    time.sleep(1.0)
+    for addr in controls:
+        assert probe_health(addr, 5).status == "ok", addr
+    text, tokens, _ = _run(stack, lambda c: _collect(c, "The capital of France is",
+                                                     SamplingParams(temperature=0, max_tokens=8)))
+    assert len(tokens) == 8 and text
+
+
+def test_bytes_per_decode_step_do_not_grow_with_sequence_length(offline):
+    """Measured on the engine's real scheduler output, encoded as the worker receives it."""
+    engine = offline.llm_engine
+    sizes = {}
+    for length in (100, 1000):
+        engine.add_request(f"len-{length:05d}", None, SamplingParams(max_tokens=6, ignore_eos=True),
+                           prompt_token_ids=[100 + (i % 1000) for i in range(length)])
+        steps = []
+        while engine.has_unfinished_requests():
+            request, sched = engine.schedule_step()
+            if request is None:
+                break
+            steps.append((request, len(encode(request))))
+            engine.process_model_outputs(sched, engine.executor.execute_model(request))
+        decode_sizes = [size for request, size in steps
+                        if not any(m.is_prompt for m in request.seq_group_metadata_list)]
+        # The first decode step may carry a new block; the steady ones must all be equal.
+        sizes[length] = decode_sizes[1:]
+    assert len(set(sizes[100])) == 1 and sizes[100] == sizes[1000][:len(sizes[100])], sizes
+    print(f"\nbytes per decode step: {sizes[100][0]} at length 100, {sizes[1000][0]} at length 1000")
