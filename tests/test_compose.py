@@ -167,6 +167,23 @@ def test_gpu_override_reserves_an_nvidia_gpu_for_the_worker():
             assert devices is None, name
 
 
+def test_monitoring_override_scrapes_the_gateway_and_publishes_on_loopback_only():
+    config = compose_config("docker-compose.yml", "docker-compose.monitoring.yml")
+    assert {"prometheus", "grafana"} <= set(config["services"])
+    for name in ("prometheus", "grafana"):
+        for port in config["services"][name]["ports"]:
+            # docker-compose 1.x prints "ip:host:container/proto"; 2.x a mapping with host_ip.
+            host_ip = port.get("host_ip") if isinstance(port, dict) else port.split(":")[0]
+            assert host_ip == "127.0.0.1", (name, port)
+    with open(os.path.join(ROOT, "ops", "monitoring", "prometheus.yml")) as f:
+        scrape = yaml.safe_load(f)
+    targets = [t for job in scrape["scrape_configs"] for c in job["static_configs"] for t in c["targets"]]
+    assert targets == ["gateway:8000"]
+    with open(os.path.join(ROOT, "ops", "monitoring", "grafana-dashboard.json")) as f:
+        dashboard = f.read()
+    assert "pagoda:time_to_first_token_seconds" in dashboard
+
+
 def test_engine_args_reach_every_service_through_the_environment():
     config = compose_config(env={"PAGODA_ENGINE_ARGS": "--model /models/m.gguf"})
     for name, service in config["services"].items():
