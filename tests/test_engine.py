@@ -47,6 +47,17 @@ def free_blocks_are_all(engine) -> bool:
 
 # --- greedy parity ---------------------------------------------------------------------------
 
+def test_long_prompts_up_to_500_tokens_in_one_batch_match_transformers(llm, reference, tokenizer):
+    text = " ".join(PROMPTS) + " "
+    story = tokenizer.encode(text * 6)
+    lengths = [17, 64, 129, 200, 288, 350, 431, 500]  # crossing block and chunk boundaries
+    prompts = [story[i:i + n] for i, n in enumerate(lengths)]
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+    assert [len(o.prompt_token_ids) for o in outputs] == lengths
+    assert_greedy_parity(outputs, reference, "long prompts (17-500 tokens)")
+    assert free_blocks_are_all(llm.llm_engine)
+
+
 def test_a_batch_of_greedy_requests_matches_transformers_token_for_token(llm, reference):
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert_greedy_parity(outputs, reference, "batch of 10")
