@@ -36,8 +36,8 @@ import msgpack
 from proto.messages import (ExecuteModelRequest, PromptLogprobs, SamplerOutput, SequenceData,
                             SequenceGroupMetadata)
 from proto.requests import (AbortRequest, EngineRequest, ErrorResponse, FinishRequest,
-                            GenerateRequest, HealthRequest, HealthResponse, TextDeltas,
-                            TokenDeltas)
+                            GenerateRequest, HealthRequest, HealthResponse, RequestAccepted,
+                            TextDeltas, TokenDeltas)
 from shared.sampling_params import SamplingParamsError
 from proto.control import Register, WorkerCall, WorkerReply
 
@@ -557,6 +557,7 @@ register_message(TextDeltas, 6)
 register_message(ErrorResponse, 7)
 register_message(HealthRequest, 8)
 register_message(HealthResponse, 9)
+register_message(RequestAccepted, 10)
 register_message(ExecuteModelRequest, 16)
 register_message(SamplerOutput, 17)
 register_message(Register, 32)

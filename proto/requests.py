@@ -111,6 +111,11 @@ class SequenceTextDelta:
     top_logprobs: list[list[float]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Where this delta starts in the sequence's whole output: characters of text and tokens
+    # before it. A detokenizer that takes over a request (its first one died) decodes the
+    # output again from the start; the client drops what it already has by these offsets.
+    text_offset: int = 0
+    token_offset: int = 0
 
 
 @dataclass
@@ -124,6 +129,14 @@ class RequestTextDelta:
 class TextDeltas:
     """detokenizer → gateway: the text of every request of this gateway that advanced in a step."""
     requests: list[RequestTextDelta] = field(default_factory=list)
+
+
+@dataclass
+class RequestAccepted:
+    """engine → client: these requests are in the engine. Until a request is acknowledged
+    (by this or by any output or error of it) the client resends it, so a request that a dying
+    tokenizer had taken is not lost; the engine ignores a copy of a request it already has."""
+    request_ids: list[str]
 
 
 @dataclass

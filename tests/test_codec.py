@@ -16,7 +16,7 @@ from proto.messages import (ExecuteModelRequest, PromptLogprobs, SamplerOutput, 
                             SequenceGroupMetadata)
 from proto.requests import (AbortRequest, ChatMessage, EngineRequest, ErrorResponse,
                             FinishRequest, GenerateRequest, HealthRequest, HealthResponse,
-                            RequestTextDelta, RequestTokenDelta, SequenceTextDelta,
+                            RequestAccepted, RequestTextDelta, RequestTokenDelta, SequenceTextDelta,
                             SequenceTokenDelta, TextDeltas, TokenDeltas, Usage)
 from shared.sampling_params import SamplingParams
 
@@ -68,9 +68,12 @@ ROUND_TRIP_CASES = {
             0, " wörld🌍", [5, 6], token_texts=[" wö", "rld🌍"],
             logprobs=[-0.5, float("-inf")],
             top_token_ids=[[5], [6, 2]], top_token_texts=[[" wö"], ["rld🌍", "</s>"]],
-            top_logprobs=[[-0.5], [-0.25, -3.0]], finish_reason="length")], Usage(12, 2)),
+            top_logprobs=[[-0.5], [-0.25, -3.0]], finish_reason="length", text_offset=41,
+            token_offset=9)], Usage(12, 2)),
         RequestTextDelta("req-2", [], Usage(0, 0))]),
     "text_deltas_empty": TextDeltas(),
+    "request_accepted": RequestAccepted(["req-1", "req-ü"]),
+    "request_accepted_none": RequestAccepted([]),
     "error": ErrorResponse("req-9", 400, "prompt is 9000 tokens, over the 8192 limit"),
     "error_no_request": ErrorResponse(None, 500, ""),
     "health_request": HealthRequest(),
@@ -121,7 +124,7 @@ def test_message_tags_are_the_documented_ones():
     assert {cls.__name__: codec.message_tag(cls) for cls in codec._MESSAGES} == {
         "GenerateRequest": 1, "EngineRequest": 2, "AbortRequest": 3, "FinishRequest": 4,
         "TokenDeltas": 5, "TextDeltas": 6, "ErrorResponse": 7, "HealthRequest": 8,
-        "HealthResponse": 9, "ExecuteModelRequest": 16, "SamplerOutput": 17,
+        "HealthResponse": 9, "RequestAccepted": 10, "ExecuteModelRequest": 16, "SamplerOutput": 17,
         "Register": 32, "WorkerCall": 33, "WorkerReply": 34}
 
 

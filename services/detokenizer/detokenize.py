@@ -1,4 +1,11 @@
-"""The detokenizer stage's work: per-request incremental text, stop strings, logprob texts."""
+"""The detokenizer stage's work: per-request incremental text, stop strings, logprob texts.
+
+A request's first delta carries its parameters (the header). The engine sends a header again,
+with every output token from the first, when the request moves here from a detokenizer that
+died: its state starts over, and each text delta says where it starts in the whole output
+(`text_offset`, `token_offset`) so the client drops what it already got.
+"""
+import time
 from dataclasses import dataclass, field
 
 from proto.requests import (RequestTextDelta, RequestTokenDelta, SequenceTextDelta, Usage)
@@ -23,6 +30,7 @@ class RequestText:
     prompt_tail: list[int]
     num_prompt_tokens: int
     seqs: dict[int, _SeqText] = field(default_factory=dict)
+    last_delta_time: float = 0.0  # monotonic
 
 
 class Detokenizer:
@@ -37,12 +45,14 @@ class Detokenizer:
         and whether the request ended here by stop strings while the engine still computes it,
         so the engine must be told to finish it."""
         req = self.requests.get(delta.request_id)
-        if req is None:
-            if delta.sampling_params is None:
-                return None, False  # a request we never saw the start of (we restarted)
+        if delta.sampling_params is not None:
+            # A header: the request starts here, or starts over with all its tokens again.
             req = self.requests[delta.request_id] = RequestText(
                 delta.request_id, delta.gateway_id, delta.sampling_params,
                 delta.prompt_tail_token_ids, delta.num_prompt_tokens)
+        elif req is None:
+            return None, False  # a request we never saw the start of (we restarted)
+        req.last_delta_time = time.monotonic()
         params = req.params
         out_seqs = []
         for sd in delta.sequences:
@@ -71,9 +81,11 @@ class Detokenizer:
             hold = 0 if st.finished or not params.stop else max(map(len, params.stop)) - 1
             visible = max(st.text_len, len(text) - hold)
             piece = text[st.text_len:visible]
-            st.text_len = visible
             tsd = SequenceTextDelta(sd.index, piece, list(sd.token_ids),
-                                    finish_reason=finish_reason, stop_reason=stop_reason)
+                                    finish_reason=finish_reason, stop_reason=stop_reason,
+                                    text_offset=st.text_len,
+                                    token_offset=sd.num_output_tokens - len(sd.token_ids))
+            st.text_len = visible
             if params.logprobs is not None:
                 tsd.token_texts = [self._token_text(t) for t in sd.token_ids]
                 tsd.logprobs = list(sd.logprobs)
@@ -94,3 +106,12 @@ class Detokenizer:
 
     def forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
+
+    def forget_idle(self, idle_s: float) -> int:
+        """Drop requests without a delta for `idle_s` (moved to another detokenizer, or ended
+        in an engine that is gone); returns how many."""
+        cutoff = time.monotonic() - idle_s
+        idle = [rid for rid, req in self.requests.items() if req.last_delta_time < cutoff]
+        for rid in idle:
+            del self.requests[rid]
+        return len(idle)

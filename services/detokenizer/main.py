@@ -22,6 +22,10 @@ from services.detokenizer.detokenize import Detokenizer
 
 log = get_logger("detokenizer")
 
+# A request with no delta for this long is forgotten: the engine moved it elsewhere or is gone
+# (a request waiting in a long queue gets no deltas meanwhile, so this is generous).
+_IDLE_REQUEST_S = 900.0
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--instance", default="0", help="names this process's control socket")
@@ -66,13 +70,17 @@ class DetokenizerService:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_stop", True))
         signal.signal(signal.SIGINT, lambda *_: setattr(self, "_stop", True))
         heartbeat_every = self.stack.liveness_timeout_s / 4
-        last_beat = 0.0
+        last_beat = last_sweep = 0.0
         log.info("detokenizer ready", engine=self.stack.detokenizer_addr)
         try:
             while not self._stop:
                 if time.monotonic() - last_beat > heartbeat_every:
                     self.engine.send(encode(Register("detokenizer", self.instance_id)))
                     last_beat = time.monotonic()
+                if time.monotonic() - last_sweep > 60:
+                    last_sweep = time.monotonic()
+                    if forgotten := self.detokenizer.forget_idle(_IDLE_REQUEST_S):
+                        log.info("forgot idle requests", requests=forgotten)
                 if not self.engine.poll(int(heartbeat_every * 1000)):
                     continue
                 self._handle(self.engine.recv())

@@ -286,6 +286,29 @@ class LLMEngine:
         for seq in group.seqs:
             self.detokenizers.pop(seq.seq_id, None)
 
+    def recover_from_worker_loss(self) -> int:
+        """The workers lost their KV cache and their copy of every sequence (a worker died; the
+        caller discards the steps in flight). Every unfinished request is recomputed from the
+        tokens the engine has read: samples of discarded steps (placeholders) are dropped, the
+        sequences will be sent whole (`reset`), with their parameters. Returns the number of
+        requests whose KV cache was lost."""
+        for group in self.groups.values():
+            group.params_sent = False
+            for seq in group.seqs:
+                seq.drop_placeholders()
+                seq.seen_by_worker = False
+                seq.parent_seq_id = -1  # the new worker knows no parent to fork from
+            if len(group.seqs) > 1 and all(s.num_output_tokens == 0 for s in group.seqs):
+                # Forked for a fan-out sample that never arrived: fork again after the prompt.
+                group.seqs = group.seqs[:1]
+        return self.scheduler.recompute_all()
+
+    def resize_cache(self, num_device_blocks: int, num_cpu_blocks: int) -> None:
+        """A new worker's cache size; only while nothing holds blocks (after a worker loss)."""
+        cache = self.config.cache_config
+        cache.num_device_blocks, cache.num_cpu_blocks = num_device_blocks, num_cpu_blocks
+        self.scheduler.reset_block_manager()
+
     def get_stats(self) -> EngineStats:
         s = self.scheduler
         return EngineStats(

@@ -10,28 +10,44 @@ Sockets (all bound here; every other process connects):
   them, picked when the request first produces output and kept for its lifetime.
 
 The loop keeps one step in flight: it schedules and submits step N+1 before reading step N.
+While it waits for a step's output it keeps serving its other sockets, so requests are taken in
+(and acknowledged) and heartbeats are read during long steps.
+
+Faults it survives:
+- a worker dies: `WorkerLost` (its heartbeats stop, or a send to it fails). The steps in flight
+  are discarded and every request goes back to waiting to be recomputed from its tokens; once
+  a worker registers for the rank again (the launcher restarts it) its KV cache is initialized
+  and the step loop goes on. Tokens already sent downstream are never sent again.
+- a detokenizer dies (a send to it fails, or its heartbeats stop): its requests move to another
+  one, which gets each request's parameters and all its output tokens again; clients drop the
+  text they already have by its offset.
+- a tokenizer dies: clients resend what was not acknowledged (`RequestAccepted`); a copy of a
+  request the engine already has (or has ended) is acknowledged again or ignored.
 """
 import argparse
 import signal
 import threading
 import time
 import zlib
-from collections import deque
+from collections import OrderedDict, deque
 
 import zmq
 
 from proto.codec import CodecError, decode, encode
 from proto.control import Register
 from proto.requests import (AbortRequest, EngineRequest, ErrorResponse, FinishRequest,
-                            RequestTokenDelta, SequenceTokenDelta, TokenDeltas)
+                            RequestAccepted, RequestTokenDelta, SequenceTokenDelta, TokenDeltas)
 from shared.config import EngineArgs
 from shared.logging import configure, get_logger
 from shared.sockets import ControlServer, PushRoutes, bind, make_socket, unlink_ipc
 from shared.stack_config import StackConfig
+from services.engine.executor.zmq_executor import WorkerLost
 
 log = get_logger("engine")
 
 _DETOK_CONTEXT = 5  # prompt tokens the detokenizer decodes before the first output token
+_ENDED_REMEMBERED = 65536  # ended requests whose late copies are recognised and ignored
+_PEER_CHECK_S = 0.25
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,6 +87,19 @@ class EngineService:
         self.detok_of: dict[str, bytes] = {}  # request id -> its detokenizer (sticky)
         self.in_flight: deque = deque()  # SchedulerOutputs of submitted, uncollected steps
         self.step_bytes: deque[int] = deque(maxlen=64)
+        # Acknowledgements to send, by client, gathered over one turn of the loop.
+        self.acks: dict[str, list[str]] = {}
+        # (request id, arrival time) of requests that ended: a late copy (a client resent it
+        # while a slow tokenizer still had the first) is not run again.
+        self.ended: OrderedDict[tuple[str, float], None] = OrderedDict()
+        # Requests whose output waits for a live detokenizer (theirs died, none is left).
+        self.undelivered: dict[str, object] = {}
+        # Finished requests' last deltas, kept a while by detokenizer: if that one dies with
+        # them unread, they are replayed to another. (monotonic time, detok, group, gateway)
+        self.delivered: deque[tuple[float, bytes, object, str]] = deque()
+        self.worker_losses = 0
+        self.detokenizer_losses = 0
+        self._next_peer_check = 0.0
         self._stop = False
         self.status = "ok"
 
@@ -93,19 +122,22 @@ class EngineService:
         details = {"tokenizers": self._live("tokenizer"), "detokenizers": self._live("detokenizer")}
         if self.engine is not None:
             s = self.engine.get_stats()
+            ready = self.executor.ready
             details.update(running=s.num_running, waiting=s.num_waiting, swapped=s.num_swapped,
                            kv_cache_usage=round(s.kv_cache_usage, 4),
                            prefix_cache_hit_rate=round(s.prefix_cache_hit_rate, 4),
                            steps=s.num_steps, prompt_tokens=s.total_prompt_tokens,
                            generation_tokens=s.total_generation_tokens,
                            preemptions=sum(s.num_preemptions.values()),
-                           workers=len(self.engine.executor.workers),
+                           workers=len(self.executor.workers) if ready else 0,
+                           recovering=not ready, worker_losses=self.worker_losses,
+                           detokenizer_losses=self.detokenizer_losses,
                            last_step_bytes=self.step_bytes[-1] if self.step_bytes else 0)
         return self.status, details
 
     def _live(self, service: str) -> int:
         now = time.monotonic()
-        return sum(1 for t in self.peers[service].values()
+        return sum(1 for t in list(self.peers[service].values())
                    if now - t < self.stack.liveness_timeout_s)
 
     # -- the loop ------------------------------------------------------------------------------
@@ -115,32 +147,61 @@ class EngineService:
         log.info("engine ready", requests=self.stack.request_input, workers=self.stack.worker_addr,
                  device_blocks=self.engine.config.cache_config.num_device_blocks)
         poller = zmq.Poller()
-        poller.register(self.input, zmq.POLLIN)
-        poller.register(self.detok, zmq.POLLIN)
+        for sock in (self.input, self.detok, self.executor.sock):
+            poller.register(sock, zmq.POLLIN)
         try:
             while not self._stop:
-                idle = not self.in_flight and not self.engine.has_unfinished_requests()
-                # 1) Take in what arrived (block only when there is nothing else to do).
-                for sock, _ in poller.poll(200 if idle else 0):
-                    self._drain(sock)
-                # 2) Schedule and submit the next step while the workers run the current one.
-                request = None
-                if len(self.in_flight) < 2:
-                    request, sched = self.engine.schedule_step()
-                    if request is not None:
-                        self.executor.submit(request)
-                        self.step_bytes.append(self.executor.last_request_bytes)
-                        self.in_flight.append(sched)
-                    elif sched.ignored_seq_groups:
-                        self._send_deltas(self.engine.process_ignored(sched), -1)
-                # 3) Read the oldest step's output: tokens, stops, frees, deltas out.
-                if self.in_flight and (len(self.in_flight) == 2 or request is None):
-                    sched = self.in_flight.popleft()
-                    result = self.executor.collect()
-                    groups = self.engine.process_model_outputs(sched, result)
-                    self._send_deltas(groups, result.step_id)
+                try:
+                    timeout_ms = self._advance()
+                    self._serve_sockets(poller, timeout_ms)
+                except WorkerLost as e:
+                    self._worker_lost(e)
         finally:
             self.close()
+
+    def _advance(self) -> int:
+        """One turn of the step loop; returns how long the next poll may wait (ms)."""
+        if not self.executor.ready:
+            self._reinitialize_workers()
+            if not self.executor.ready:
+                return 200
+        # 1) Schedule and submit the next step while the workers run the current one.
+        submitted = False
+        if len(self.in_flight) < 2:
+            request, sched = self.engine.schedule_step()
+            if request is not None:
+                self.executor.submit(request)
+                self.step_bytes.append(self.executor.last_request_bytes)
+                self.in_flight.append(sched)
+                submitted = True
+            elif sched.ignored_seq_groups:
+                self._send_deltas(self.engine.process_ignored(sched), -1)
+        # 2) Read the oldest step's output once it is here: tokens, stops, frees, deltas out.
+        if self.in_flight and (len(self.in_flight) == 2 or not submitted):
+            result = self.executor.take_output()
+            if result is None:
+                return 250  # the poll returns as soon as it (or anything else) arrives
+            sched = self.in_flight.popleft()
+            groups = self.engine.process_model_outputs(sched, result)
+            self._send_deltas(groups, result.step_id)
+            return 0
+        return 0 if submitted else 200
+
+    def _serve_sockets(self, poller: zmq.Poller, timeout_ms: int) -> None:
+        ready = dict(poller.poll(timeout_ms))
+        if self.input in ready:
+            self._drain(self.input)
+        if self.detok in ready:
+            self._drain(self.detok)
+        if self.executor.sock in ready:
+            self.executor.receive()
+        self._send_acks()
+        now = time.monotonic()
+        if now >= self._next_peer_check:
+            self._next_peer_check = now + _PEER_CHECK_S
+            self._check_peers(now)
+        if self.undelivered:
+            self._deliver_held()
 
     def _drain(self, sock: zmq.Socket) -> None:
         while True:
@@ -157,22 +218,32 @@ class EngineService:
             except CodecError as e:
                 log.warning("dropped a bad frame", error=str(e), size=len(frame))
                 continue
-            self._dispatch(msg, identity)
+            try:
+                self._dispatch(msg, identity)
+            except WorkerLost:
+                raise
+            except Exception:  # one message must never take the engine down
+                log.exception("message handling failed", type=type(msg).__name__)
 
     def _dispatch(self, msg, identity: bytes | None) -> None:
         if isinstance(msg, EngineRequest):
             self._add_request(msg)
         elif isinstance(msg, (AbortRequest, FinishRequest)):
             aborted = self.engine.abort_request(msg.request_ids)
+            if isinstance(msg, AbortRequest):
+                # Its detokenizer holds the request's state until it sees the request end.
+                self._send_deltas([g for g in aborted if g.request_id in self.detok_of], -1)
             for group in aborted:
+                self._ended(group)
                 self.gateway_of.pop(group.request_id, None)
                 self.detok_of.pop(group.request_id, None)
+                self.undelivered.pop(group.request_id, None)
             if aborted:
                 log.info("requests ended early", reason=msg.reason,
                          request_ids=[g.request_id for g in aborted])
         elif isinstance(msg, Register):
             key = identity if msg.service == "detokenizer" else msg.instance_id
-            if msg.service in self.peers:
+            if msg.service in self.peers and key is not None:
                 if key not in self.peers[msg.service]:
                     log.info("peer registered", service=msg.service, instance=msg.instance_id)
                 self.peers[msg.service][key] = time.monotonic()
@@ -181,6 +252,13 @@ class EngineService:
 
     def _add_request(self, req: EngineRequest) -> None:
         rlog = log.bind(request_id=req.request_id)
+        if (req.request_id, req.arrival_time) in self.ended:
+            rlog.info("a late copy of an ended request ignored")
+            return
+        known = self.engine.groups.get(req.request_id)
+        if known is not None and known.metrics.arrival_time == req.arrival_time:
+            self.acks.setdefault(req.gateway_id, []).append(req.request_id)  # a resent copy
+            return
         try:
             self.engine.add_request(req.request_id, req.prompt, req.sampling_params,
                                     prompt_token_ids=req.prompt_token_ids,
@@ -191,37 +269,128 @@ class EngineService:
             self.routes.send(req.gateway_id, encode(ErrorResponse(req.request_id, 400, str(e))))
             return
         self.gateway_of[req.request_id] = req.gateway_id
+        self.acks.setdefault(req.gateway_id, []).append(req.request_id)
         rlog.debug("request added", prompt_tokens=len(req.prompt_token_ids))
+
+    def _send_acks(self) -> None:
+        for gateway, request_ids in self.acks.items():
+            self.routes.send(gateway, encode(RequestAccepted(request_ids)))
+        self.acks.clear()
+
+    def _ended(self, group) -> None:
+        self.ended[(group.request_id, group.metrics.arrival_time)] = None
+        if len(self.ended) > _ENDED_REMEMBERED:
+            self.ended.popitem(last=False)
+
+    # -- faults --------------------------------------------------------------------------------
+    def _check_peers(self, now: float) -> None:
+        if self.executor.has_all_workers():
+            self.executor.check_liveness()
+        timeout = self.stack.liveness_timeout_s
+        while self.delivered and now - self.delivered[0][0] > 2 * timeout:
+            self.delivered.popleft()
+        stale = [d for d, seen in self.peers["detokenizer"].items() if now - seen > timeout]
+        if stale:
+            busy = set(self.detok_of.values()) | {entry[1] for entry in self.delivered}
+            for detok in stale:
+                if detok in busy:
+                    self._detokenizer_lost(detok, f"no heartbeat for {timeout:.0f} s")
+
+    def _worker_lost(self, error: WorkerLost) -> None:
+        ranks = self.executor.drop_lost_workers()
+        self.in_flight.clear()
+        num_requests = self.engine.recover_from_worker_loss()
+        self.worker_losses += 1
+        log.error("worker lost; its requests will be recomputed on its replacement",
+                  error=str(error), ranks=ranks, requests=num_requests)
+
+    def _reinitialize_workers(self) -> None:
+        """Once every rank has a worker again: size and initialize the new KV cache."""
+        if not self.executor.has_all_workers():
+            return
+        try:
+            num_device_blocks, num_cpu_blocks = self.executor.determine_num_available_blocks()
+            if num_device_blocks <= 0:
+                raise RuntimeError("the new worker has no memory for a KV cache")
+            self.executor.initialize_cache(num_device_blocks, num_cpu_blocks)
+        except WorkerLost:
+            raise
+        except RuntimeError as e:  # a worker call failed: wait for another registration
+            log.error("a new worker could not be set up", error=str(e))
+            raise WorkerLost(str(e)) from None
+        self.engine.resize_cache(num_device_blocks, num_cpu_blocks)
+        log.info("workers back; resuming", device_blocks=num_device_blocks,
+                 waiting=len(self.engine.scheduler.waiting))
+
+    def _detokenizer_lost(self, detok: bytes, reason: str) -> None:
+        """Its requests start over on another detokenizer: parameters and every output token
+        again (clients drop the text they already have by its offset)."""
+        self.peers["detokenizer"].pop(detok, None)
+        self.detokenizer_losses += 1
+        moved = []
+        for request_id, d in list(self.detok_of.items()):
+            if d == detok:
+                del self.detok_of[request_id]
+                group = self.engine.groups.get(request_id)
+                if group is not None and request_id in self.gateway_of:
+                    moved.append(group)
+        kept: deque = deque()
+        for entry in self.delivered:
+            if entry[1] == detok:
+                self.gateway_of[entry[2].request_id] = entry[3]
+                moved.append(entry[2])
+            else:
+                kept.append(entry)
+        self.delivered = kept
+        for group in moved:
+            group.header_sent = False
+            for seq in group.seqs:
+                seq.num_emitted = 0
+            self.undelivered[group.request_id] = group
+        log.warning("detokenizer lost; its requests move to another", reason=reason,
+                    requests=len(moved))
+
+    def _deliver_held(self) -> None:
+        if self._any_detokenizer():
+            groups = list(self.undelivered.values())
+            self.undelivered.clear()
+            self._send_deltas(groups, -1)
+
+    def _any_detokenizer(self) -> bool:
+        return bool(self.peers["detokenizer"])
 
     # -- outputs -------------------------------------------------------------------------------
     def _send_deltas(self, groups, step_id: int) -> None:
         by_detok: dict[bytes, list[RequestTokenDelta]] = {}
+        now = time.monotonic()
         for group in groups:
-            gateway = self.gateway_of.get(group.request_id)
+            request_id = group.request_id
+            gateway = self.gateway_of.get(request_id)
             if gateway is None:
                 continue
-            if group.error is not None:
-                self.routes.send(gateway, encode(ErrorResponse(group.request_id, 400, group.error)))
-                self.gateway_of.pop(group.request_id, None)
-                continue
-            delta, first = self._token_delta(group, gateway)
-            detok = self._detokenizer_for(group.request_id)
-            if detok is None:
-                self.routes.send(gateway, encode(ErrorResponse(
-                    group.request_id, 503, "no detokenizer is running")))
-                continue
-            by_detok.setdefault(detok, []).append(delta)
             if group.is_finished():
-                self.gateway_of.pop(group.request_id, None)
-                self.detok_of.pop(group.request_id, None)
+                self._ended(group)
+            if group.error is not None:
+                self.routes.send(gateway, encode(ErrorResponse(request_id, 400, group.error)))
+                self.gateway_of.pop(request_id, None)
+                continue
+            detok = self._detokenizer_for(request_id)
+            if detok is None:
+                self.undelivered[request_id] = group  # sent once a detokenizer is back
+                continue
+            self.undelivered.pop(request_id, None)
+            by_detok.setdefault(detok, []).append(self._token_delta(group, gateway))
+            if group.is_finished():
+                self.gateway_of.pop(request_id, None)
+                self.detok_of.pop(request_id, None)
+                self.delivered.append((now, detok, group, gateway))
         for detok, deltas in by_detok.items():
             try:
                 self.detok.send_multipart([detok, encode(TokenDeltas(step_id, deltas))])
             except zmq.ZMQError as e:
-                log.error("detokenizer unreachable", error=str(e))
-                self.peers["detokenizer"].pop(detok, None)
+                self._detokenizer_lost(detok, f"unreachable: {e}")
 
-    def _token_delta(self, group, gateway: str) -> tuple[RequestTokenDelta, bool]:
+    def _token_delta(self, group, gateway: str) -> RequestTokenDelta:
         first = not group.header_sent
         params = group.sampling_params
         seqs = []
@@ -242,11 +411,10 @@ class EngineService:
             seq.num_emitted += len(new)
             seqs.append(delta)
         group.header_sent = True
-        delta = RequestTokenDelta(
+        return RequestTokenDelta(
             group.request_id, gateway, group.prompt_len, seqs,
             sampling_params=params if first else None,
             prompt_tail_token_ids=group.prompt_token_ids[-_DETOK_CONTEXT:] if first else [])
-        return delta, first
 
     def _detokenizer_for(self, request_id: str) -> bytes | None:
         detok = self.detok_of.get(request_id)

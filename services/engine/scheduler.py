@@ -47,16 +47,25 @@ class _Budget:
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig):
         self.config = scheduler_config
-        self.block_manager = BlockManager(
-            block_size=cache_config.block_size,
-            num_device_blocks=cache_config.num_device_blocks,
-            num_cpu_blocks=cache_config.num_cpu_blocks or 0,
-            enable_prefix_caching=cache_config.enable_prefix_caching)
+        self.cache_config = cache_config
+        self.block_manager = self._new_block_manager()
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []
         self.swapped: deque[SequenceGroup] = deque()
         self.num_preemptions = {"recompute": 0, "swap": 0}
         self._finished_seq_ids: list[int] = []  # the worker is told to drop these next step
+
+    def reset_block_manager(self) -> None:
+        """An empty block manager sized by `cache_config` (a new worker's cache); only while no
+        sequence holds blocks."""
+        assert not self.running and not self.swapped, "sequences still hold blocks"
+        self.block_manager = self._new_block_manager()
+
+    def _new_block_manager(self) -> BlockManager:
+        cache = self.cache_config
+        return BlockManager(block_size=cache.block_size, num_device_blocks=cache.num_device_blocks,
+                            num_cpu_blocks=cache.num_cpu_blocks or 0,
+                            enable_prefix_caching=cache.enable_prefix_caching)
 
     # -- requests ------------------------------------------------------------------------------
     def add_seq_group(self, seq_group: SequenceGroup) -> None:
@@ -259,12 +268,12 @@ class Scheduler:
                                   block_ids=table[seq.num_blocks_sent:])
             elif seq.parent_seq_id >= 0:
                 # The worker builds the child from the parent's prompt and its fan-out sample.
-                sd = SequenceData(seq.seq_id, seq.num_computed_tokens, block_ids=table,
+                sd = SequenceData(seq.seq_id, seq.num_computed_tokens, block_ids=list(table),
                                   parent_seq_id=seq.parent_seq_id, sample_index=seq.sample_index)
                 seq.parent_seq_id = -1
             else:
                 sd = SequenceData(seq.seq_id, seq.num_computed_tokens,
-                                  new_token_ids=list(seq.token_ids), block_ids=table, reset=True,
+                                  new_token_ids=list(seq.token_ids), block_ids=list(table), reset=True,
                                   sample_index=seq.sample_index)
                 send_params = True
             seq.worker_synced = seq.seen_by_worker = True
@@ -297,6 +306,24 @@ class Scheduler:
             seq.reset_for_recompute()
         self.waiting.appendleft(group)
         self.num_preemptions["recompute"] += 1
+
+    def recompute_all(self) -> int:
+        """The worker's KV cache (device and swap) died with the worker: every running or
+        swapped group goes back to waiting, to be prefilled again from its tokens (which stay),
+        the waiting queue in arrival order, and the block manager starts empty. Returns the
+        number of groups that lost their cache."""
+        lost = list(self.running) + list(self.swapped)
+        self.running, self.swapped = [], deque()
+        for group in lost + list(self.waiting):
+            for seq in group.unfinished_seqs():
+                seq.status = SequenceStatus.WAITING
+                seq.reset_for_recompute()
+        self.waiting = deque(sorted(lost + list(self.waiting),
+                                    key=lambda g: g.metrics.arrival_time))
+        self._finished_seq_ids = []  # the new worker never held them
+        self.block_manager = self._new_block_manager()
+        self.num_preemptions["recompute"] += len(lost)
+        return len(lost)
 
     def _free_group(self, group: SequenceGroup, status: SequenceStatus) -> None:
         for seq in group.unfinished_seqs():

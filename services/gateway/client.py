@@ -3,20 +3,33 @@
 Any Python service can use it; the HTTP gateway is one. It pushes GenerateRequests to the
 engine's front door (tokenizers pick them up), binds its own return address (its gateway id)
 where detokenizers push the text, and aborts requests whose consumer goes away.
+
+Faults it rides out or reports:
+- a request that is not acknowledged (`RequestAccepted`, or any output or error of it) within
+  `ack_timeout_s` is sent again with the same id (a tokenizer died with it); the engine ignores
+  copies. After `max_resubmits` resends it fails with 503.
+- text that a detokenizer sends again (it took over a request from one that died) is dropped
+  by its offset, so a stream never repeats itself.
+- the engine's control socket is probed every `probe_interval_s`: when it has not answered
+  for `engine_timeout_s`, or answers from another process (it restarted), the requests in
+  flight end with 503 at once, and new ones are refused with 503 until it answers "ok" again.
+  The sockets reconnect by themselves when the engine is back.
 """
 import asyncio
 import contextlib
+import contextvars
 import os
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
 
 from proto.codec import CodecError, decode, encode
 from proto.requests import (AbortRequest, ChatMessage, ErrorResponse, GenerateRequest,
-                            RequestTextDelta, TextDeltas)
+                            RequestAccepted, RequestTextDelta, SequenceTextDelta, TextDeltas)
 from shared.logging import get_logger
 from shared.sampling_params import SamplingParams
 from shared.sockets import bind, bind_address, make_socket, probe_health, unlink_ipc
@@ -24,6 +37,8 @@ from shared.stack_config import StackConfig
 from services.engine.outputs import CompletionOutput, RequestOutput
 
 log = get_logger("client")
+
+_ACCEPTED = object()  # put in a request's queue when the engine acknowledges it
 
 
 class EngineRequestError(RuntimeError):
@@ -35,16 +50,40 @@ class EngineRequestError(RuntimeError):
         self.request_id = request_id
 
 
+@dataclass
+class _Stream:
+    """One request's outputs as they arrive, and how much of each sequence the caller has."""
+    queue: asyncio.Queue
+    engine_epoch: int  # the engine process it was sent to (see `AsyncEngineClient._watch`)
+    num_chars: dict[int, int] = field(default_factory=dict)  # by sample index
+    num_tokens: dict[int, int] = field(default_factory=dict)
+    done: set[int] = field(default_factory=set)  # sample indices that finished
+    failed: bool = False
+
+
 class AsyncEngineClient:
-    def __init__(self, stack: StackConfig | None = None, output_timeout_s: float = 60.0):
+    def __init__(self, stack: StackConfig | None = None, output_timeout_s: float = 60.0,
+                 ack_timeout_s: float = 5.0, max_resubmits: int = 3,
+                 engine_timeout_s: float | None = None, probe_interval_s: float = 1.0):
         """`output_timeout_s`: a request with no output for this long ends with an error
-        (the engine stopped answering) and is aborted."""
+        (the engine stopped answering) and is aborted. `ack_timeout_s`, `max_resubmits`: how
+        long to wait for the engine to acknowledge a request before sending it again, and how
+        often. `engine_timeout_s` (default: the stack's liveness timeout): how long the engine
+        may leave its control socket unanswered before the requests in flight fail with 503."""
         self.stack = stack or StackConfig()
         self.output_timeout_s = output_timeout_s
+        self.ack_timeout_s = ack_timeout_s
+        self.max_resubmits = max_resubmits
+        self.engine_timeout_s = (self.stack.liveness_timeout_s if engine_timeout_s is None
+                                 else engine_timeout_s)
+        self.probe_interval_s = probe_interval_s
         self.ctx = zmq.asyncio.Context()
+        # IMMEDIATE: while the engine is down nothing queues up to reach it much later.
         self.requests = make_socket(self.ctx, zmq.PUSH)
+        self.requests.setsockopt(zmq.IMMEDIATE, 1)
         self.requests.connect(self.stack.request_input)
         self.engine = make_socket(self.ctx, zmq.PUSH)
+        self.engine.setsockopt(zmq.IMMEDIATE, 1)
         self.engine.connect(self.stack.engine_input)
         self.results = make_socket(self.ctx, zmq.PULL)
         if self.stack.request_input.startswith("tcp://"):
@@ -54,9 +93,16 @@ class AsyncEngineClient:
         else:
             self.gateway_id = f"ipc://{os.path.join(self.stack.run_dir, f'client-{uuid.uuid4().hex[:12]}.sock')}"
             bind(self.results, self.gateway_id)
-        self.streams: dict[str, asyncio.Queue] = {}
+        self.streams: dict[str, _Stream] = {}
         self._reader: asyncio.Task | None = None
+        self._watchdog: asyncio.Task | None = None
         self.closed = False
+        # What the watchdog knows of the engine.
+        self.engine_ok = True  # answering, with status "ok" (until a probe says otherwise)
+        self.engine_pid: int | None = None
+        self.engine_epoch = 0  # counts engine restarts seen
+        self._last_answer = time.monotonic()
+        self.num_resubmits = 0  # requests sent again for want of an acknowledgement
 
     # -- public API ----------------------------------------------------------------------------
     async def generate(self, prompt: str | list[int] | list[dict] | list[ChatMessage],
@@ -64,31 +110,60 @@ class AsyncEngineClient:
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yields RequestOutputs whose completions hold the *new* text and tokens of each step;
         the last one has `finished=True`. Leaving the loop early aborts the request."""
-        self._ensure_reader()
+        self._ensure_tasks()
         params = sampling_params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.streams:
             raise ValueError(f"request id {request_id!r} is already in flight")
+        if not self.engine_ok:
+            raise EngineRequestError(503, "the engine is not available; retry later", request_id)
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             prompt = [ChatMessage(m["role"], m["content"]) for m in prompt]
-        queue: asyncio.Queue = asyncio.Queue()
-        self.streams[request_id] = queue
+        stream = _Stream(asyncio.Queue(), self.engine_epoch)
+        self.streams[request_id] = stream
         finished = False
         try:
-            await self.requests.send(encode(GenerateRequest(
-                request_id, self.gateway_id, prompt, params, time.time())))
-            done: set[int] = set()
+            try:
+                frame = encode(GenerateRequest(request_id, self.gateway_id, prompt, params,
+                                               time.time()))
+            except CodecError as e:  # e.g. a number too large for the wire
+                finished = True
+                raise EngineRequestError(400, f"the request cannot be encoded: {e}",
+                                         request_id) from None
+            await self._submit(frame, request_id)
+            accepted, resends = False, 0
             while True:
+                timeout = self.output_timeout_s if accepted else min(self.ack_timeout_s,
+                                                                     self.output_timeout_s)
                 try:
-                    item = await asyncio.wait_for(queue.get(), self.output_timeout_s)
+                    item = await asyncio.wait_for(stream.queue.get(), timeout)
                 except asyncio.TimeoutError:
-                    raise EngineRequestError(
-                        503, f"no output from the engine for {self.output_timeout_s:.0f} s",
-                        request_id) from None
+                    if accepted:
+                        raise EngineRequestError(
+                            503, f"no output from the engine for {self.output_timeout_s:.0f} s",
+                            request_id) from None
+                    if resends >= self.max_resubmits:
+                        raise EngineRequestError(
+                            503, f"the stack did not accept the request (sent {resends + 1} "
+                                 f"times, {self.ack_timeout_s:g} s apart); retry later",
+                            request_id) from None
+                    resends += 1
+                    self.num_resubmits += 1
+                    log.warning("request not acknowledged; sending it again",
+                                request_id=request_id, attempt=resends + 1)
+                    await self._submit(frame, request_id)
+                    continue
+                accepted = True
+                if item is _ACCEPTED:
+                    continue
+                if isinstance(item, EngineRequestError):
+                    raise item
                 if isinstance(item, ErrorResponse):
                     finished = True  # the stack already dropped it
                     raise EngineRequestError(item.code, item.message, request_id)
-                out = self._request_output(item, done, params.n)
+                out = self._request_output(item, stream, params.n)
+                if out is None:
+                    continue  # all of it was text the caller already has
                 finished = out.finished
                 yield out
                 if finished:
@@ -101,7 +176,8 @@ class AsyncEngineClient:
 
     async def abort(self, request_id: str | list[str], reason: str = "client gone") -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        await self.engine.send(encode(AbortRequest(ids, reason)))
+        # Best effort: an engine that is down has nothing to abort.
+        await self._send_within(self.engine, encode(AbortRequest(ids, reason)), 0.5)
 
     async def health(self, timeout_s: float = 1.0):
         """The engine's HealthResponse (with its counts of live peers), or None if it is down."""
@@ -109,40 +185,139 @@ class AsyncEngineClient:
 
     def close(self) -> None:
         self.closed = True
-        if self._reader is not None:
-            self._reader.cancel()
+        for task in (self._reader, self._watchdog):
+            if task is not None:
+                task.cancel()
         for sock in (self.requests, self.engine, self.results):
             sock.close(0)
         self.ctx.term()
         unlink_ipc(self.gateway_id)
 
     # -- internals -----------------------------------------------------------------------------
-    def _ensure_reader(self) -> None:
+    def _ensure_tasks(self) -> None:
+        # In a context of their own: not in that of the request that happened to start them
+        # (whose log bindings they would otherwise carry).
+        loop = asyncio.get_running_loop()
         if self._reader is None or self._reader.done():
-            self._reader = asyncio.get_running_loop().create_task(self._read_results())
+            self._reader = loop.create_task(self._read_results(), context=contextvars.Context())
+        if self._watchdog is None or self._watchdog.done():
+            self._watchdog = loop.create_task(self._watch(), context=contextvars.Context())
+
+    async def _submit(self, frame: bytes, request_id: str) -> None:
+        # Connecting takes a moment after start (and after the engine restarts).
+        if not await self._send_within(self.requests, frame, min(self.engine_timeout_s, 5.0)):
+            raise EngineRequestError(503, "the engine is not reachable; retry later", request_id)
+
+    @staticmethod
+    async def _send_within(sock: zmq.asyncio.Socket, frame: bytes, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                await sock.send(frame, zmq.NOBLOCK)
+                return True
+            except zmq.Again:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                # Not `sock.poll(POLLOUT)`: with pyzmq's asyncio sockets that leaves later
+                # sends queued behind a writability that never comes while the peer is away.
+                await asyncio.sleep(min(left, 0.02))
 
     async def _read_results(self) -> None:
         while True:
             frame = await self.results.recv()
             try:
-                msg = decode(frame, (TextDeltas, ErrorResponse))
+                msg = decode(frame, (TextDeltas, ErrorResponse, RequestAccepted))
             except CodecError as e:
                 log.warning("dropped a bad frame", error=str(e))
                 continue
             if isinstance(msg, ErrorResponse):
-                queue = self.streams.get(msg.request_id)
-                if queue is not None:
-                    queue.put_nowait(msg)
+                stream = self.streams.get(msg.request_id)
+                if stream is not None:
+                    stream.queue.put_nowait(msg)
+            elif isinstance(msg, RequestAccepted):
+                for request_id in msg.request_ids:
+                    stream = self.streams.get(request_id)
+                    if stream is not None:
+                        stream.queue.put_nowait(_ACCEPTED)
+            else:
+                for delta in msg.requests:
+                    stream = self.streams.get(delta.request_id)
+                    if stream is not None:
+                        stream.queue.put_nowait(delta)
+
+    async def _watch(self) -> None:
+        """Probe the engine; fail the requests in flight when it is gone or was restarted."""
+        while True:
+            health = await self.health(min(1.0, self.engine_timeout_s))
+            now = time.monotonic()
+            if health is not None:
+                pid = health.details.get("pid")
+                if self.engine_pid is not None and pid != self.engine_pid:
+                    self.engine_epoch += 1
+                    log.warning("the engine restarted; requests in flight are lost", pid=pid)
+                    self._fail_streams("the engine restarted; the request was lost",
+                                       before_epoch=self.engine_epoch)
+                self.engine_pid = pid
+                self._last_answer = now
+                if (health.status == "ok") != self.engine_ok:
+                    log.info("engine available" if health.status == "ok"
+                             else "engine not available", status=health.status)
+                self.engine_ok = health.status == "ok"
+            elif now - self._last_answer > self.engine_timeout_s:
+                if self.engine_ok:
+                    log.warning("the engine is not answering; failing requests in flight",
+                                silent_s=round(now - self._last_answer, 1))
+                self.engine_ok = False
+                self._fail_streams(f"the engine has not answered for "
+                                   f"{self.engine_timeout_s:g} s")
+            await asyncio.sleep(self.probe_interval_s)
+
+    def _fail_streams(self, message: str, before_epoch: int | None = None) -> None:
+        for request_id, stream in self.streams.items():
+            if stream.failed or (before_epoch is not None and stream.engine_epoch >= before_epoch):
                 continue
-            for delta in msg.requests:
-                queue = self.streams.get(delta.request_id)
-                if queue is not None:
-                    queue.put_nowait(delta)
+            stream.failed = True
+            stream.queue.put_nowait(EngineRequestError(503, message, request_id))
 
     @staticmethod
-    def _request_output(delta: RequestTextDelta, done: set[int], n: int) -> RequestOutput:
+    def _unseen(s: SequenceTextDelta, stream: _Stream) -> SequenceTextDelta | None:
+        """The part of a sequence's delta the caller has not had yet (all of it, but after a
+        detokenizer took the request over); None when there is nothing new."""
+        if s.index in stream.done:
+            return None  # replayed after its end
+        have_chars = stream.num_chars.get(s.index, 0)
+        have_tokens = stream.num_tokens.get(s.index, 0)
+        if s.text_offset > have_chars or s.token_offset > have_tokens:
+            log.warning("a gap in a stream", index=s.index, text_offset=s.text_offset,
+                        have_chars=have_chars, token_offset=s.token_offset,
+                        have_tokens=have_tokens)
+        stream.num_chars[s.index] = max(have_chars, s.text_offset + len(s.text))
+        stream.num_tokens[s.index] = max(have_tokens, s.token_offset + len(s.token_ids))
+        skip_chars = max(0, have_chars - s.text_offset)
+        skip_tokens = max(0, have_tokens - s.token_offset)
+        if not skip_chars and not skip_tokens:
+            return s
+        if (skip_chars >= len(s.text) and skip_tokens >= len(s.token_ids)
+                and s.finish_reason is None):
+            return None
+
+        def cut(values: list) -> list:
+            return values[skip_tokens:] if values else values
+        return SequenceTextDelta(
+            s.index, s.text[skip_chars:], cut(s.token_ids), cut(s.token_texts), cut(s.logprobs),
+            cut(s.top_token_ids), cut(s.top_token_texts), cut(s.top_logprobs), s.finish_reason,
+            s.stop_reason, s.text_offset + skip_chars, s.token_offset + skip_tokens)
+
+    @classmethod
+    def _request_output(cls, delta: RequestTextDelta, stream: _Stream,
+                        n: int) -> RequestOutput | None:
+        """The caller's view of a text delta; None when it holds nothing new."""
         completions = []
         for s in delta.sequences:
+            s = cls._unseen(s, stream)
+            if s is None:
+                continue
             logprobs = texts = None
             if s.logprobs:
                 logprobs, texts = [], []
@@ -158,10 +333,11 @@ class AsyncEngineClient:
                 logprobs=logprobs, finish_reason=s.finish_reason, stop_reason=s.stop_reason,
                 logprob_texts=texts))
             if s.finish_reason is not None:
-                done.add(s.index)
+                stream.done.add(s.index)
+        if delta.sequences and not completions:
+            return None
         return RequestOutput(
             request_id=delta.request_id, prompt=None, prompt_token_ids=[], prompt_logprobs=None,
-            outputs=completions, finished=len(done) >= n,
+            outputs=completions, finished=len(stream.done) >= n,
             num_prompt_tokens=delta.usage.prompt_tokens,
             num_output_tokens=delta.usage.completion_tokens)
-

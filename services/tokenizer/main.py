@@ -54,6 +54,9 @@ class TokenizerService:
         self.input = make_socket(self.ctx, zmq.PULL)
         self.input.connect(stack.tokenizer_input)
         self.engine = make_socket(self.ctx, zmq.PUSH)
+        # Nothing is queued for an engine that is not there: a request tokenized meanwhile is
+        # answered 503 at once, not run much later by an engine that nobody waits for.
+        self.engine.setsockopt(zmq.IMMEDIATE, 1)
         self.engine.connect(stack.engine_input)
         self.routes = PushRoutes(self.ctx)
         self._stop = False
@@ -72,7 +75,7 @@ class TokenizerService:
         try:
             while not self._stop:
                 if time.monotonic() - last_beat > heartbeat_every:
-                    self.engine.send(encode(Register("tokenizer", self.instance_id)))
+                    self._send_to_engine(encode(Register("tokenizer", self.instance_id)))
                     last_beat = time.monotonic()
                 if not self.input.poll(int(heartbeat_every * 1000)):
                     continue
@@ -105,6 +108,18 @@ class TokenizerService:
             rlog.exception("tokenization failed")
             self.routes.send(req.gateway_id, encode(ErrorResponse(req.request_id, 500, str(e))))
             return
+        if not self._send_to_engine(encode(out)):
+            self.rejected += 1
+            rlog.warning("the engine is not reachable")
+            self.routes.send(req.gateway_id, encode(ErrorResponse(
+                req.request_id, 503, "the engine is not reachable; retry later")))
+            return
         self.handled += 1
-        self.engine.send(encode(out))
         rlog.debug("tokenized", prompt_tokens=len(out.prompt_token_ids))
+
+    def _send_to_engine(self, frame: bytes) -> bool:
+        try:
+            self.engine.send(frame, zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False

@@ -68,11 +68,15 @@ class WorkerService:
         self._register()
         self._heartbeat.start()
         last_done = None  # when the previous step's output went out
+        # While nothing comes from the engine the registration is repeated: an engine that
+        # restarted (or dropped this worker) learns of it without this process restarting.
+        reregister_ms = int(self.stack.liveness_timeout_s / 4 * 1000)
         log.info("worker ready", rank=self.rank, engine=self.stack.worker_addr)
         try:
             while not self._stop:
-                if not self.sock.poll(1000):
+                if not self.sock.poll(reregister_ms):
                     last_done = None  # no steps flowing: not idle time between passes
+                    self._register()
                     continue
                 frame = self.sock.recv()
                 start = time.perf_counter()
@@ -88,7 +92,10 @@ class WorkerService:
             self.close()
 
     def _register(self) -> None:
-        self.sock.send(encode(Register("worker", self.instance_id, self.rank)))
+        try:
+            self.sock.send(encode(Register("worker", self.instance_id, self.rank)), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # the engine is away and the queue is full: the next try will do
 
     def _send_heartbeats(self) -> None:
         sock = make_socket(self.ctx, zmq.DEALER)
@@ -114,6 +121,12 @@ class WorkerService:
             if msg.method == "determine_num_available_blocks":
                 result = list(self.worker.determine_num_available_blocks())
             elif msg.method == "initialize_cache":
+                # A new cache means a new engine (or one that lost track of this worker):
+                # the sequences held for the old one must not be mistaken for its own.
+                runner = self.worker.model_runner
+                runner.seqs.clear()
+                runner.requests.clear()
+                runner.fan_out.clear()
                 self.worker.initialize_cache(*msg.args)
                 result = []
             else:

@@ -3,6 +3,12 @@
 The engine binds a ROUTER; workers connect (DEALER), register, and heartbeat. Each step is
 encoded once and sent to every worker of the tensor-parallel group; rank 0 returns the
 SamplerOutput.
+
+A worker that goes silent for the liveness timeout (or whose connection is gone) raises
+`WorkerLost`; the engine then calls `drop_lost_workers`, waits until `has_all_workers()` again
+(a restarted worker registers for the rank), initializes the new worker's KV cache and goes on.
+`receive` / `take_output` let the engine wait for a step while it keeps serving its other
+sockets; `collect` is the blocking form.
 """
 import itertools
 import time
@@ -24,7 +30,8 @@ log = get_logger("executor")
 
 
 class WorkerLost(RuntimeError):
-    """A worker stopped answering (no output and no heartbeat within the liveness timeout)."""
+    """A worker stopped answering (no output and no heartbeat within the liveness timeout), or
+    its connection is gone. The engine catches it and waits for a worker to take the rank."""
 
 
 class ZmqExecutor(Executor):
@@ -39,16 +46,30 @@ class ZmqExecutor(Executor):
         self.workers: dict[int, bytes] = {}  # rank -> routing identity
         self.instance_of: dict[bytes, str] = {}  # routing identity -> worker instance
         self.last_seen: dict[str, float] = {}  # worker instance -> last frame or heartbeat
+        # A registration for a rank whose worker still counts as alive: it takes the rank
+        # when that worker is declared lost (a restarted worker often registers before the
+        # engine has noticed that its predecessor died).
+        self.candidates: dict[int, bytes] = {}
         self.call_ids = itertools.count()
         self.in_flight: deque[int] = deque()  # step ids submitted, not collected
+        self.outputs: deque[SamplerOutput] = deque()  # arrived, in step order, not collected
         self.last_request_bytes = 0
+        # Steps go out only once every rank has a worker whose KV cache is initialized.
+        self.cache_ready = False
         self.wait_for_workers(register_timeout_s)
+
+    @property
+    def ready(self) -> bool:
+        return self.cache_ready and self.has_all_workers()
+
+    def has_all_workers(self) -> bool:
+        return len(self.workers) == self.world_size
 
     # -- membership ----------------------------------------------------------------------------
     def wait_for_workers(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         last_log = 0.0
-        while len(self.workers) < self.world_size:
+        while not self.has_all_workers():
             if time.monotonic() > deadline:
                 raise WorkerLost(f"{len(self.workers)} of {self.world_size} workers registered "
                                  f"within {timeout_s:.0f} s at {self.stack.worker_addr}")
@@ -71,20 +92,7 @@ class ZmqExecutor(Executor):
             log.warning("dropped a bad frame from a worker", error=str(e))
             return None
         if isinstance(msg, Register):
-            self.last_seen[msg.instance_id] = time.monotonic()
-            if msg.heartbeat or msg.service != "worker":
-                return None
-            current = self.workers.get(msg.rank)
-            if current is not None and current != identity and self._alive(current):
-                # A rank is taken until its worker stops beating: a stray or duplicate
-                # registration must not steal the steps of a live worker.
-                log.warning("registration for a taken rank ignored", rank=msg.rank,
-                            instance=msg.instance_id)
-                return None
-            self.instance_of[identity] = msg.instance_id
-            if current != identity:
-                log.info("worker registered", rank=msg.rank, instance=msg.instance_id)
-                self.workers[msg.rank] = identity
+            self._register(msg, identity)
             return None
         if isinstance(msg, ErrorResponse):
             log.error("worker reported an error", message=msg.message)
@@ -94,16 +102,65 @@ class ZmqExecutor(Executor):
         log.warning("unexpected message from a worker", type=type(msg).__name__)
         return None
 
+    def _register(self, msg: Register, identity: bytes) -> None:
+        if msg.service != "worker" or not 0 <= msg.rank < self.world_size:
+            return
+        self.last_seen[msg.instance_id] = time.monotonic()
+        if msg.heartbeat:
+            return
+        current = self.workers.get(msg.rank)
+        if current == identity:
+            return  # a worker repeats its registration while it has nothing to do
+        self.instance_of[identity] = msg.instance_id
+        if current is not None and self._alive(current):
+            # A rank is taken until its worker stops beating: a stray or duplicate
+            # registration must not steal the steps of a live worker.
+            if self.candidates.get(msg.rank) != identity:
+                log.warning("registration for a taken rank kept as a candidate", rank=msg.rank,
+                            instance=msg.instance_id)
+            self.candidates[msg.rank] = identity
+            return
+        log.info("worker registered", rank=msg.rank, instance=msg.instance_id)
+        self.workers[msg.rank] = identity
+        self.candidates.pop(msg.rank, None)
+        self.cache_ready = False  # a new worker has no KV cache yet
+
     def _alive(self, identity: bytes) -> bool:
         seen = self.last_seen.get(self.instance_of.get(identity), 0.0)
         return time.monotonic() - seen < self.stack.liveness_timeout_s
 
+    def check_liveness(self) -> None:
+        """Raises WorkerLost when a registered worker has been silent for the liveness timeout."""
+        for rank, identity in self.workers.items():
+            if not self._alive(identity):
+                raise WorkerLost(f"worker rank {rank} ({self.instance_of.get(identity)}) sent "
+                                 f"no heartbeat for {self.stack.liveness_timeout_s:.0f} s")
+
+    def drop_lost_workers(self) -> list[int]:
+        """After a WorkerLost: forget the workers that are gone (their ranks wait for a new
+        registration, or take a candidate that is alive) and every step in flight. Returns
+        the ranks that were dropped."""
+        lost = [rank for rank, identity in self.workers.items() if not self._alive(identity)]
+        if not lost:
+            # Unreachable but still beating (its connection broke): it cannot be used either.
+            lost = list(self.workers)
+        for rank in lost:
+            self.workers.pop(rank)
+            candidate = self.candidates.pop(rank, None)
+            if candidate is not None and self._alive(candidate):
+                log.info("worker registered", rank=rank, instance=self.instance_of.get(candidate))
+                self.workers[rank] = candidate
+        self.in_flight.clear()
+        self.outputs.clear()
+        self.cache_ready = False
+        return lost
+
     def _wait_for(self, expect, from_identity: bytes):
         timeout = self.stack.liveness_timeout_s
         while True:
-            if not self.sock.poll(int(timeout * 1000)):
-                instance = self.instance_of.get(from_identity)
-                if time.monotonic() - self.last_seen.get(instance, 0) > timeout:
+            if not self.sock.poll(int(min(timeout, 1.0) * 1000)):
+                if not self._alive(from_identity):
+                    instance = self.instance_of.get(from_identity)
                     raise WorkerLost(f"worker {instance} sent no heartbeat for {timeout:.0f} s")
                 continue
             got = self._recv_one(expect)
@@ -112,8 +169,11 @@ class ZmqExecutor(Executor):
 
     def _send_all(self, frame: bytes) -> None:
         for rank in range(self.world_size):
+            identity = self.workers.get(rank)
+            if identity is None:
+                raise WorkerLost(f"no worker holds rank {rank}")
             try:
-                self.sock.send_multipart([self.workers[rank], frame])
+                self.sock.send_multipart([identity, frame])
             except zmq.ZMQError as e:
                 raise WorkerLost(f"worker rank {rank} unreachable: {e}") from None
 
@@ -122,7 +182,10 @@ class ZmqExecutor(Executor):
         self._send_all(encode(WorkerCall(call_id, method, list(args))))
         results = []
         for rank in range(self.world_size):
-            reply = self._wait_for(WorkerReply, self.workers[rank])
+            while True:
+                reply = self._wait_for(WorkerReply, self.workers[rank])
+                if reply.call_id == call_id:
+                    break  # else the answer to a call of an engine that is gone
             if reply.error:
                 raise RuntimeError(f"worker rank {rank}: {method} failed: {reply.error}")
             results.append(reply.result)
@@ -135,6 +198,7 @@ class ZmqExecutor(Executor):
 
     def initialize_cache(self, num_device_blocks: int, num_cpu_blocks: int) -> None:
         self._call("initialize_cache", num_device_blocks, num_cpu_blocks)
+        self.cache_ready = True
 
     def submit(self, request: ExecuteModelRequest) -> None:
         frame = encode(request)
@@ -142,11 +206,39 @@ class ZmqExecutor(Executor):
         self._send_all(frame)
         self.in_flight.append(request.step_id)
 
+    def receive(self) -> None:
+        """Take in every frame waiting on the socket (outputs, registrations, heartbeats)
+        without blocking."""
+        while self.sock.poll(0):
+            got = self._recv_one(SamplerOutput)
+            if got is None:
+                continue
+            identity, out = got
+            if identity != self.workers.get(0):
+                continue  # from a worker that was dropped
+            waiting = len(self.outputs)  # outputs come in step order
+            expected = self.in_flight[waiting] if waiting < len(self.in_flight) else None
+            if out.step_id != expected:
+                log.warning("dropped the output of a step not in flight", step_id=out.step_id)
+                continue
+            self.outputs.append(out)
+
+    def take_output(self) -> SamplerOutput | None:
+        """The oldest step's output if it has arrived (call `receive` first), else None."""
+        if not self.outputs:
+            return None
+        self.in_flight.popleft()
+        return self.outputs.popleft()
+
     def collect(self) -> SamplerOutput:
-        step_id = self.in_flight.popleft()
-        out = self._wait_for(SamplerOutput, self.workers[0])
-        assert out.step_id == step_id, f"worker answered step {out.step_id}, expected {step_id}"
-        return out
+        assert self.in_flight, "collect() with no step in flight"
+        while True:
+            self.receive()
+            out = self.take_output()
+            if out is not None:
+                return out
+            self.check_liveness()
+            self.sock.poll(int(min(self.stack.liveness_timeout_s, 1.0) * 1000))
 
     def shutdown(self) -> None:
         self.sock.close(0)
