@@ -7,11 +7,15 @@ files in one run directory (nothing binds to a network interface but the gateway
 
     with LocalStack(gateway=False, tokenizers=2) as stack:   # returns when every probe says ok
         client = AsyncEngineClient(stack.stack_config)
+
+`tcp_host` puts the engine's addresses on tcp ports of that host instead (as across hosts);
+`curve_keys_dir` (or PAGODA_CURVE_KEYS_DIR) turns CurveZMQ on for every process and probe.
 """
 import ctypes
 import os
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -21,6 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field, fields
 
 from shared.config import EngineArgs
+from shared.curve import CurveKeys
 from shared.logging import get_logger
 from shared.sockets import probe_health
 from shared.stack_config import StackConfig, default_run_dir
@@ -100,6 +105,22 @@ def local_stack_config(run_dir: str) -> StackConfig:
         os.environ.update(saved)
 
 
+def use_tcp_ports(stack: StackConfig, host: str) -> None:
+    """Put the addresses the engine binds on free tcp ports of `host` (clients then return
+    over tcp too)."""
+    names = ("request_input", "tokenizer_input", "engine_input", "worker_addr",
+             "detokenizer_addr", "engine_control")
+    probes = [socket.socket() for _ in names]
+    try:
+        for probe, name in zip(probes, names):  # all open at once: six different ports
+            probe.bind((host, 0))
+            setattr(stack, name, f"tcp://{host}:{probe.getsockname()[1]}")
+    finally:
+        for probe in probes:
+            probe.close()
+    stack.return_host = host
+
+
 def engine_arg_flags(engine_args: dict) -> list[tuple[str, list[str]]]:
     """EngineArgs values -> (flag, tokens) pairs; None values are left to each service's default."""
     known = {f.name for f in fields(EngineArgs)}
@@ -143,9 +164,13 @@ class LocalStack:
                  host: str = "127.0.0.1", port: int = 8000, gateway: bool = True,
                  api_key: str | None = None, env: dict[str, str] | None = None,
                  verbose: bool = False, keep_logs: bool = False,
-                 max_restarts_per_minute: int = 3, stop_grace_s: float = 10.0):
+                 max_restarts_per_minute: int = 3, stop_grace_s: float = 10.0,
+                 tcp_host: str | None = None, curve_keys_dir: str | None = None):
         """`env` is added to every process's environment (after the compose file's).
-        `verbose` echoes every process's log lines to stdout with a `[service-i]` prefix."""
+        `verbose` echoes every process's log lines to stdout with a `[service-i]` prefix.
+        `tcp_host`: the engine binds tcp ports of this host rather than ipc files.
+        `curve_keys_dir` (default: PAGODA_CURVE_KEYS_DIR): CurveZMQ keys for every socket;
+        a bad directory raises CurveKeysError here, before anything starts."""
         if tokenizers < 1 or detokenizers < 1:
             raise ValueError("a stack needs at least one tokenizer and one detokenizer")
         self.compose_file = compose_file or default_compose_file()
@@ -156,6 +181,11 @@ class LocalStack:
         self.run_dir = os.path.abspath(run_dir or os.environ.get("PAGODA_RUN_DIR")
                                        or default_run_dir())
         self.stack_config = local_stack_config(self.run_dir)
+        if tcp_host:
+            use_tcp_ports(self.stack_config, tcp_host)
+        keys_dir = curve_keys_dir or self.stack_config.curve_keys_dir
+        self.stack_config.curve_keys_dir = os.path.abspath(keys_dir) if keys_dir else ""
+        self.curve: CurveKeys | None = self.stack_config.curve  # for the launcher's own probes
         self.host, self.port, self.gateway, self.api_key = host, port, gateway, api_key
         self.gateway_url = f"http://{host}:{port}" if gateway else None
         self.extra_env = dict(env or {})
@@ -214,7 +244,7 @@ class LocalStack:
                                       m.log_tail())
             for m in self.members:
                 if not m.healthy:
-                    health = probe_health(m.control_addr, timeout_s=0.5)
+                    health = probe_health(m.control_addr, timeout_s=0.5, curve=self.curve)
                     m.healthy = health is not None and health.status == "ok"
             missing = self._missing_peers() if all(m.healthy for m in self.members) else None
             ready = [m.name for m in self.members if m.healthy]
@@ -258,7 +288,7 @@ class LocalStack:
                     self._spawn(m)
                     m.healthy = False
                     continue
-                health = probe_health(m.control_addr, timeout_s=1.0)
+                health = probe_health(m.control_addr, timeout_s=1.0, curve=self.curve)
                 healthy = health is not None and health.status == "ok"
                 if healthy != m.healthy:
                     log.info("process ready" if healthy else "process not answering probes",
@@ -351,7 +381,7 @@ class LocalStack:
         raise KeyError(f"no process {service}-{index}")
 
     def _prepare_run_dir(self) -> None:
-        running = probe_health(self.stack_config.engine_control, timeout_s=0.5)
+        running = probe_health(self.stack_config.engine_control, timeout_s=0.5, curve=self.curve)
         if running is not None:
             raise LaunchError("engine", f"a pagoda stack already runs in {self.run_dir} "
                                         f"(pid {running.details.get('pid')}); stop it or pass "
@@ -407,7 +437,7 @@ class LocalStack:
 
     def _missing_peers(self) -> list[str]:
         """What the engine does not see yet, as 'N of M tokenizers' phrases."""
-        health = probe_health(self.stack_config.engine_control, timeout_s=0.5)
+        health = probe_health(self.stack_config.engine_control, timeout_s=0.5, curve=self.curve)
         if health is None or health.status != "ok":
             return ["the engine's health"]
         missing = []

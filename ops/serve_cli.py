@@ -26,6 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-restarts", type=int, default=3,
                         help="restarts of one process per minute before the launch gives up")
     parser.add_argument("--keep-logs", action="store_true", help="keep <run-dir>/logs at exit")
+    parser.add_argument("--curve-keys-dir", default=None,
+                        help="encrypt and authenticate every ZeroMQ socket with the CurveZMQ "
+                             "keys of this directory (`pagoda keys DIR`; default: "
+                             "PAGODA_CURVE_KEYS_DIR, else off)")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="echo every process's log lines, prefixed with its name")
     EngineArgs.add_cli_args(parser)
@@ -42,15 +46,21 @@ def run(args: argparse.Namespace) -> int:
     from shared.config import EngineArgs
     from shared.logging import configure
     from ops.launcher import LaunchError, LocalStack
+    from shared.curve import CurveKeysError
     configure("serve")
     # Only what the user set: each service keeps its own defaults for the rest.
     engine_args = {f.name: getattr(args, f.name) for f in fields(EngineArgs)
                    if getattr(args, f.name) != f.default}
-    stack = LocalStack(args.compose_file, engine_args, tokenizers=args.tokenizers,
-                       detokenizers=args.detokenizers, run_dir=args.run_dir, host=args.host,
-                       port=args.port, gateway=args.gateway, api_key=args.api_key,
-                       verbose=args.verbose, keep_logs=args.keep_logs,
-                       max_restarts_per_minute=args.max_restarts)
+    try:
+        stack = LocalStack(args.compose_file, engine_args, tokenizers=args.tokenizers,
+                           detokenizers=args.detokenizers, run_dir=args.run_dir, host=args.host,
+                           port=args.port, gateway=args.gateway, api_key=args.api_key,
+                           verbose=args.verbose, keep_logs=args.keep_logs,
+                           max_restarts_per_minute=args.max_restarts,
+                           curve_keys_dir=args.curve_keys_dir)
+    except CurveKeysError as e:
+        print(f"pagoda: {e}", flush=True)
+        return 1
     stop = threading.Event()
     serving = False
 
@@ -101,6 +111,9 @@ def _print_banner(stack, elapsed_s: float) -> None:
               else f"AsyncEngineClient(StackConfig(run_dir={stack.run_dir!r}))")
     lines += [f"  run dir   {stack.run_dir}",
               f"  requests  {stack.stack_config.request_input}  ({client})",
-              f"  logs      {stack.log_dir}",
-              "Ctrl-C stops the stack."]
+              f"  logs      {stack.log_dir}"]
+    if stack.curve is not None:
+        lines.append(f"  CurveZMQ  keys in {stack.curve.keys_dir} (a client needs "
+                     f"PAGODA_CURVE_KEYS_DIR={stack.curve.keys_dir})")
+    lines.append("Ctrl-C stops the stack.")
     print("\n".join(lines), flush=True)

@@ -1,4 +1,8 @@
-"""ZeroMQ helpers every service uses: binding, control sockets, health probes."""
+"""ZeroMQ helpers every service uses: binding, connecting, control sockets, health probes.
+
+`bind` and `connect` also apply CurveZMQ when the stack has keys (`shared.curve`); sockets
+are bound and connected through them only, so none is left in the clear.
+"""
 import os
 import threading
 import time
@@ -8,6 +12,7 @@ import zmq
 
 from proto.codec import CodecError, decode, encode
 from proto.requests import ErrorResponse, HealthRequest, HealthResponse
+from shared.curve import CurveKeys, process_keys, secure_client, secure_server
 from shared.logging import get_logger
 
 log = get_logger("sockets")
@@ -38,14 +43,36 @@ def _is_ip(host: str) -> bool:
         return False
 
 
-def bind(sock: zmq.Socket, addr: str) -> None:
-    """Bind, creating the ipc directory and replacing a stale socket file left by a dead run."""
+def bind(sock: zmq.Socket, addr: str, curve: CurveKeys | None = None) -> None:
+    """Bind, creating the ipc directory and replacing a stale socket file left by a dead run.
+    With CURVE keys (`curve`, else this process's) the socket is a CURVE server."""
+    _secure(sock, curve, server=True)
     path = ipc_path(addr)
     if path:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         if os.path.exists(path):
             os.unlink(path)
     sock.bind(bind_address(addr))
+
+
+def bind_random_port(sock: zmq.Socket, host: str, curve: CurveKeys | None = None) -> str:
+    """Bind a free tcp port of `host`; returns the address peers connect to."""
+    _secure(sock, curve, server=True)
+    port = sock.bind_to_random_port(bind_address(f"tcp://{host}:0").rsplit(":", 1)[0])
+    return f"tcp://{host}:{port}"
+
+
+def connect(sock: zmq.Socket, addr: str, curve: CurveKeys | None = None) -> None:
+    """Connect; with CURVE keys (`curve`, else this process's) as a CURVE client."""
+    _secure(sock, curve, server=False)
+    sock.connect(addr)
+
+
+def _secure(sock: zmq.Socket, curve: CurveKeys | None, server: bool) -> None:
+    # Security options count only when set before the bind or connect.
+    keys = curve or process_keys()
+    if keys is not None:
+        (secure_server if server else secure_client)(sock, keys)
 
 
 def unlink_ipc(*addrs: str) -> None:
@@ -73,12 +100,12 @@ class ControlServer:
     """
 
     def __init__(self, ctx: zmq.Context, addr: str, service: str,
-                 status_fn: Callable[[], tuple[str, dict]]):
+                 status_fn: Callable[[], tuple[str, dict]], curve: CurveKeys | None = None):
         self.addr = addr
         self.service = service
         self.status_fn = status_fn
         self.sock = make_socket(ctx, zmq.REP)
-        bind(self.sock, addr)
+        bind(self.sock, addr, curve)
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._serve, name=f"{service}-control", daemon=True)
         self.started = time.time()
@@ -121,14 +148,16 @@ class ControlServer:
         unlink_ipc(self.addr)
 
 
-def probe_health(addr: str, timeout_s: float = 1.0, ctx: zmq.Context | None = None) -> HealthResponse | None:
-    """Ask a control socket for its health; None when nobody answers in time."""
+def probe_health(addr: str, timeout_s: float = 1.0, ctx: zmq.Context | None = None,
+                 curve: CurveKeys | None = None) -> HealthResponse | None:
+    """Ask a control socket for its health; None when nobody answers in time (or, on a
+    stack with CURVE keys, when this side has no authorized key)."""
     ctx = ctx or zmq.Context.instance()
     sock = make_socket(ctx, zmq.REQ)
     try:
         sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
         sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
-        sock.connect(addr)
+        connect(sock, addr, curve)
         sock.send(encode(HealthRequest()))
         return decode(sock.recv(), HealthResponse)
     except (zmq.ZMQError, CodecError):
@@ -140,9 +169,10 @@ def probe_health(addr: str, timeout_s: float = 1.0, ctx: zmq.Context | None = No
 class PushRoutes:
     """PUSH sockets to return addresses (a client's gateway id), connected on first use."""
 
-    def __init__(self, ctx: zmq.Context, max_routes: int = 256):
+    def __init__(self, ctx: zmq.Context, max_routes: int = 256, curve: CurveKeys | None = None):
         self.ctx = ctx
         self.max_routes = max_routes
+        self.curve = curve
         self.socks: dict[str, zmq.Socket] = {}
 
     def send(self, addr: str, frame: bytes) -> bool:
@@ -154,7 +184,7 @@ class PushRoutes:
             sock = make_socket(self.ctx, zmq.PUSH)
             sock.setsockopt(zmq.SNDTIMEO, 0)
             try:
-                sock.connect(addr)
+                connect(sock, addr, self.curve)
             except zmq.ZMQError as e:
                 log.warning("bad return address", addr=addr, error=str(e))
                 sock.close(0)

@@ -8,6 +8,10 @@ import argparse
 import os
 import tempfile
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shared.curve import CurveKeys
 
 
 def default_run_dir() -> str:
@@ -31,6 +35,9 @@ class StackConfig:
     return_host: str = "127.0.0.1"
     # Seconds without an answer after which a peer counts as gone.
     liveness_timeout_s: float = 10.0
+    # A CurveZMQ key directory (`pagoda keys DIR`): every socket encrypted, and only holders
+    # of an authorized key get in. "" (default): no CURVE, for one host or a private network.
+    curve_keys_dir: str = ""
 
     def __post_init__(self):
         self.run_dir = self.run_dir or os.environ.get("PAGODA_RUN_DIR") or default_run_dir()
@@ -64,11 +71,25 @@ class StackConfig:
                                type=type(f.default) if f.default != "" else str)
         return parser
 
+    @property
+    def curve(self) -> "CurveKeys | None":
+        """The stack's CURVE keys (read once per process); None when CURVE is off."""
+        from shared.curve import load_keys
+        return load_keys(self.curve_keys_dir) if self.curve_keys_dir else None
+
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "StackConfig":
+        """The stack of a service process: its keys become the process's (shared.curve.use),
+        so every socket it binds or connects uses them; a bad key directory stops it here."""
+        from shared.curve import CurveKeysError, use
         given = {f.name: getattr(args, f.name) for f in fields(cls)
                  if getattr(args, f.name, None) is not None}
-        return cls(**given)
+        stack = cls(**given)
+        try:
+            use(stack.curve_keys_dir)
+        except CurveKeysError as e:
+            raise SystemExit(f"pagoda: {e}") from None
+        return stack
 
     def to_env(self) -> dict[str, str]:
         return {"PAGODA_" + f.name.upper(): str(getattr(self, f.name)) for f in fields(self)

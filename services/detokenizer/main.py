@@ -15,7 +15,7 @@ from proto.control import Register
 from proto.requests import FinishRequest, RequestTextDelta, TextDeltas, TokenDeltas
 from shared.config import EngineArgs
 from shared.logging import configure, get_logger
-from shared.sockets import ControlServer, PushRoutes, make_socket
+from shared.sockets import ControlServer, PushRoutes, connect, make_socket
 from shared.stack_config import StackConfig
 from shared.tokenizer import get_tokenizer
 from services.detokenizer.detokenize import Detokenizer
@@ -55,9 +55,9 @@ class DetokenizerService:
         self.detokenizer = Detokenizer(get_tokenizer(tokenizer_path))
         self.engine = make_socket(self.ctx, zmq.DEALER)
         self.engine.setsockopt_string(zmq.IDENTITY, f"detok-{self.instance_id}")
-        self.engine.connect(stack.detokenizer_addr)
+        connect(self.engine, stack.detokenizer_addr)
         self.engine_input = make_socket(self.ctx, zmq.PUSH)
-        self.engine_input.connect(stack.engine_input)
+        connect(self.engine_input, stack.engine_input)
         self.routes = PushRoutes(self.ctx)
         self._stop = False
         self.status = "ok"

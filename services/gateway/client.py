@@ -32,7 +32,8 @@ from proto.requests import (AbortRequest, ChatMessage, ErrorResponse, GenerateRe
                             RequestAccepted, RequestTextDelta, SequenceTextDelta, TextDeltas)
 from shared.logging import get_logger
 from shared.sampling_params import SamplingParams
-from shared.sockets import bind, bind_address, make_socket, probe_health, unlink_ipc
+from shared.sockets import (bind, bind_random_port, connect, make_socket, probe_health,
+                            unlink_ipc)
 from shared.stack_config import StackConfig
 from services.engine.outputs import CompletionOutput, RequestOutput
 
@@ -77,22 +78,21 @@ class AsyncEngineClient:
         self.engine_timeout_s = (self.stack.liveness_timeout_s if engine_timeout_s is None
                                  else engine_timeout_s)
         self.probe_interval_s = probe_interval_s
+        self.curve = self.stack.curve  # None: CURVE off, or this process's keys (shared.curve)
         self.ctx = zmq.asyncio.Context()
         # IMMEDIATE: while the engine is down nothing queues up to reach it much later.
         self.requests = make_socket(self.ctx, zmq.PUSH)
         self.requests.setsockopt(zmq.IMMEDIATE, 1)
-        self.requests.connect(self.stack.request_input)
+        connect(self.requests, self.stack.request_input, self.curve)
         self.engine = make_socket(self.ctx, zmq.PUSH)
         self.engine.setsockopt(zmq.IMMEDIATE, 1)
-        self.engine.connect(self.stack.engine_input)
+        connect(self.engine, self.stack.engine_input, self.curve)
         self.results = make_socket(self.ctx, zmq.PULL)
         if self.stack.request_input.startswith("tcp://"):
-            port = self.results.bind_to_random_port(
-                bind_address(f"tcp://{self.stack.return_host}:0").rsplit(":", 1)[0])
-            self.gateway_id = f"tcp://{self.stack.return_host}:{port}"
+            self.gateway_id = bind_random_port(self.results, self.stack.return_host, self.curve)
         else:
             self.gateway_id = f"ipc://{os.path.join(self.stack.run_dir, f'client-{uuid.uuid4().hex[:12]}.sock')}"
-            bind(self.results, self.gateway_id)
+            bind(self.results, self.gateway_id, self.curve)
         self.streams: dict[str, _Stream] = {}
         self._reader: asyncio.Task | None = None
         self._watchdog: asyncio.Task | None = None
@@ -181,7 +181,8 @@ class AsyncEngineClient:
 
     async def health(self, timeout_s: float = 1.0):
         """The engine's HealthResponse (with its counts of live peers), or None if it is down."""
-        return await asyncio.to_thread(probe_health, self.stack.engine_control, timeout_s)
+        return await asyncio.to_thread(probe_health, self.stack.engine_control, timeout_s,
+                                       None, self.curve)
 
     def close(self) -> None:
         self.closed = True

@@ -16,7 +16,7 @@ from proto.control import Register
 from proto.requests import ErrorResponse, GenerateRequest
 from shared.config import EngineArgs
 from shared.logging import configure, get_logger
-from shared.sockets import ControlServer, PushRoutes, make_socket
+from shared.sockets import ControlServer, PushRoutes, connect, make_socket
 from shared.stack_config import StackConfig
 from shared.tokenizer import get_tokenizer
 from services.tokenizer.tokenize import PromptChecks, RequestRejected, RequestTokenizer
@@ -52,12 +52,12 @@ class TokenizerService:
         self.worker = RequestTokenizer(get_tokenizer(mc.tokenizer),
                                        PromptChecks(mc.max_model_len, mc.vocab_size), mc.hf_config)
         self.input = make_socket(self.ctx, zmq.PULL)
-        self.input.connect(stack.tokenizer_input)
+        connect(self.input, stack.tokenizer_input)
         self.engine = make_socket(self.ctx, zmq.PUSH)
         # Nothing is queued for an engine that is not there: a request tokenized meanwhile is
         # answered 503 at once, not run much later by an engine that nobody waits for.
         self.engine.setsockopt(zmq.IMMEDIATE, 1)
-        self.engine.connect(stack.engine_input)
+        connect(self.engine, stack.engine_input)
         self.routes = PushRoutes(self.ctx)
         self._stop = False
         self.status = "ok"

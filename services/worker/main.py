@@ -14,7 +14,7 @@ from proto.messages import ExecuteModelRequest
 from proto.requests import ErrorResponse
 from shared.config import EngineArgs
 from shared.logging import configure, get_logger
-from shared.sockets import ControlServer, make_socket
+from shared.sockets import ControlServer, connect, make_socket
 from shared.stack_config import StackConfig
 
 log = get_logger("worker")
@@ -52,7 +52,7 @@ class WorkerService:
         self.worker.load_model()
         self.sock = make_socket(self.ctx, zmq.DEALER)
         self.sock.setsockopt_string(zmq.IDENTITY, f"worker-{rank}-{self.instance_id}")
-        self.sock.connect(stack.worker_addr)
+        connect(self.sock, stack.worker_addr)
         self._stop = False
         self._heartbeat = threading.Thread(target=self._send_heartbeats, name="worker-heartbeat",
                                            daemon=True)
@@ -99,7 +99,7 @@ class WorkerService:
 
     def _send_heartbeats(self) -> None:
         sock = make_socket(self.ctx, zmq.DEALER)
-        sock.connect(self.stack.worker_addr)
+        connect(sock, self.stack.worker_addr)
         beat = encode(Register("worker", self.instance_id, self.rank, heartbeat=True))
         try:
             while not self._stop:
