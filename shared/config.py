@@ -86,6 +86,7 @@ class ParallelConfig:
 @dataclass
 class DeviceConfig:
     device: torch.device
+    attention_backend: str = "auto"  # auto, torch or cpu (services/worker/attention)
 
 
 @dataclass
@@ -134,6 +135,8 @@ class EngineArgs:
     preemption_mode: str = "recompute"
     tensor_parallel_size: int = 1
     device: str = "auto"  # auto, cpu, cuda, cuda:N
+    # auto: the compiled CPU kernels on the CPU where they build, else the torch reference ops.
+    attention_backend: str = "auto"
     load_format: str = "auto"
 
     def create_engine_config(self) -> PagodaConfig:
@@ -183,6 +186,11 @@ class EngineArgs:
         if self.tensor_parallel_size != 1:
             raise ConfigError("tensor_parallel_size",
                               f"only 1 is supported so far, got {self.tensor_parallel_size}")
+        if self.attention_backend not in ("auto", "torch", "cpu"):
+            raise ConfigError("attention_backend",
+                              f"must be auto, torch or cpu, got {self.attention_backend!r}")
+        if self.attention_backend == "cpu" and device.type != "cpu":
+            raise ConfigError("attention_backend", f"'cpu' needs the cpu device, not {device}")
         if self.load_format not in ("auto", "safetensors", "gguf"):
             raise ConfigError("load_format", f"must be auto, safetensors or gguf, got {self.load_format!r}")
         max_batched = self.max_num_batched_tokens
@@ -213,7 +221,7 @@ class EngineArgs:
                 max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
                 preemption_mode=self.preemption_mode),
             parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
-            device_config=DeviceConfig(device=device),
+            device_config=DeviceConfig(device=device, attention_backend=self.attention_backend),
             load_config=LoadConfig(load_format=self.load_format),
         )
 

@@ -34,7 +34,7 @@ def test_values_reach_their_component_configs(model_folder):
                         block_size=32, kv_cache_space_gib=0.5, swap_space=0.25,
                         num_gpu_blocks_override=40, enable_prefix_caching=False,
                         max_num_seqs=7, max_num_batched_tokens=64, preemption_mode="swap",
-                        device="cpu").create_engine_config()
+                        device="cpu", attention_backend="cpu").create_engine_config()
     m, c, s = config.model_config, config.cache_config, config.scheduler_config
     assert (m.dtype, m.seed, m.max_model_len, m.tokenizer) == (torch.bfloat16, 5, 256, model_folder)
     assert (c.block_size, c.kv_cache_space_gib, c.swap_space_gib, c.num_gpu_blocks_override,
@@ -42,6 +42,7 @@ def test_values_reach_their_component_configs(model_folder):
     assert (s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len, s.enable_chunked_prefill,
             s.preemption_mode) == (7, 64, 256, True, "swap")
     assert config.device_config.device == torch.device("cpu")
+    assert config.device_config.attention_backend == "cpu"
     assert (m.num_layers, m.num_kv_heads, m.head_dim, m.vocab_size) == (3, 2, 16, 256)
 
 
@@ -90,6 +91,8 @@ INVALID = [
     ("device", dict(device="tpu")),
     ("device", dict(device="not a device")),
     ("device", dict(device="cuda:99")),
+    ("attention_backend", dict(attention_backend="bogus")),
+    ("attention_backend", dict(attention_backend="CPU")),
     ("load_format", dict(load_format="pt")),
     ("load_format", dict(load_format="gguf")),  # the model is a safetensors folder
 ]
@@ -141,7 +144,8 @@ def test_every_field_round_trips_through_its_flag():
                       kv_cache_space_gib=1.5, swap_space=2.5, num_gpu_blocks_override=100,
                       enable_prefix_caching=False, enable_chunked_prefill=False, max_num_seqs=8,
                       max_num_batched_tokens=2048, preemption_mode="swap",
-                      tensor_parallel_size=2, device="cpu", load_format="gguf")
+                      tensor_parallel_size=2, device="cpu", attention_backend="torch",
+                      load_format="gguf")
     assert all(getattr(args, f.name) != f.default for f in dataclasses.fields(args))
     parsed = EngineArgs.from_cli_args(parser().parse_args(to_argv(args)))
     assert parsed == args

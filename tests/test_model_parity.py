@@ -173,8 +173,8 @@ def test_half_precision_agrees_loosely_with_float32(llama, tmp_path, dtype):
     logits32 = llama.step_logits(planner32, caches32, [(s, len(s.token_ids)) for s in seqs32], [])
     step = planner16.plan_step([(s, len(s.token_ids)) for s in seqs16], [])
     logits16 = model.compute_logits(model(step.input_ids, step.positions, caches16, step.meta))
-    assert logits16.dtype == torch.float32
-    diff = (logits16 - logits32).abs().max().item()
+    assert logits16.dtype == dtype
+    diff = (logits16.float() - logits32).abs().max().item()
     scale = logits32.abs().max().item()
     print(f"{dtype} vs float32: max abs logit diff {diff:.2e} (largest logit {scale:.2f})")
     assert diff < 0.05 * scale

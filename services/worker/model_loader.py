@@ -23,6 +23,7 @@ def load_model(model_config: ModelConfig, load_config: LoadConfig, device: torch
         model = LlamaForCausalLM(model_config.hf_config, attn_backend, model_config.dtype)
     model.load_weights(iter_weights(model_config.source, load_config.load_format,
                                     model_config.hf_config))
+    model.pack_weights()
     return model.eval()
 
 

@@ -53,7 +53,11 @@ class ModelRunner:
         self.model_config = config.model_config
         self.device = config.device_config.device
         self.block_size = config.cache_config.block_size
-        self.attn_backend = get_attn_backend("torch")
+        mc = self.model_config
+        self.attn_backend = get_attn_backend(
+            config.device_config.attention_backend, dtype=mc.dtype, device=self.device,
+            num_heads=mc.hf_config.num_attention_heads, num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim, block_size=self.block_size)
         self.model = None
         self.sampler = Sampler()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -196,7 +200,7 @@ class ModelRunner:
         return input_ids, torch.from_numpy(positions).to(dev), meta
 
     def _sample(self, rows: list[_Row], hidden: torch.Tensor, out: SamplerOutput) -> None:
-        logits = self.model.compute_logits(hidden)  # [num_rows, vocab] float32
+        logits = self.model.compute_logits(hidden)  # [num_rows, vocab], the model's dtype
         sampling_rows, owners, logit_index = [], [], []
         for i, row in enumerate(rows):
             req = row.state.request

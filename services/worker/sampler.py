@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import cpu as cpu_kernels
 from services.worker.sampling_metadata import PenaltyTensors, SamplingTensors
 
 _MASK32 = 0xFFFFFFFF
@@ -30,6 +31,11 @@ class SamplerResult:
 class Sampler:
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerResult:
         assert logits.shape == (t.num_rows, t.vocab_size), (logits.shape, t.num_rows, t.vocab_size)
+        if (t.all_greedy and t.penalties is None and t.max_num_logprobs == 0
+                and cpu_kernels.available_for(logits)):
+            # The common case in one pass per row: argmax and its logprob, no float copy.
+            token_ids, token_logprobs = cpu_kernels.greedy_sample(logits)
+            return SamplerResult(token_ids, token_logprobs, None, None)
         logits = logits.float()  # [N, V]
         # 1) Normaliser of the raw distribution: logprob = logit - logsumexp, so no [N, V]
         #    log_softmax is kept.

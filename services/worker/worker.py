@@ -55,7 +55,8 @@ class Worker:
         self.cache_engine = CacheEngine(cache, self.config.model_config, self.device)
         self.model_runner.kv_caches = self.cache_engine.device_cache
         log.info("kv cache ready", device_blocks=num_device_blocks, cpu_blocks=num_cpu_blocks,
-                 block_size=cache.block_size)
+                 block_size=cache.block_size,
+                 attention_backend=self.model_runner.attn_backend.name)
 
     def execute_model(self, request: ExecuteModelRequest) -> SamplerOutput:
         # Block moves first: this step's sequences may read blocks just swapped in or copied.

@@ -51,8 +51,23 @@ class AttentionBackend(ABC):
         where every sequence is a prefill with no cached context) -> [T, num_heads, head_dim]."""
 
 
-def get_attn_backend(name: str = "torch") -> AttentionBackend:
+def get_attn_backend(name: str = "torch", *, dtype: torch.dtype = torch.float32,
+                     device: torch.device = torch.device("cpu"), num_heads: int = 1,
+                     num_kv_heads: int = 1, head_dim: int = 64,
+                     block_size: int = 16) -> AttentionBackend:
+    """The backend called `name`; "auto" picks the compiled CPU kernels where they run for this
+    model (CPU device, float32/bfloat16, a C compiler present), else the torch reference ops."""
+    if name in ("auto", "cpu"):
+        from kernels import cpu
+        if cpu.supports(dtype, device, num_heads, num_kv_heads, head_dim, block_size):
+            from services.worker.attention.cpu_backend import CpuAttentionBackend
+            return CpuAttentionBackend()
+        if name == "cpu":
+            raise ValueError(f"the cpu attention backend cannot run here ({dtype}, {device}, "
+                             f"{num_heads}/{num_kv_heads} heads, head_dim {head_dim}, block_size "
+                             f"{block_size}): {cpu.unavailable_reason() or 'unsupported shape'}")
+        name = "torch"
     if name == "torch":
         from services.worker.attention.torch_backend import TorchAttentionBackend
         return TorchAttentionBackend()
-    raise ValueError(f"attention backend {name!r} is unknown (available: torch)")
+    raise ValueError(f"attention backend {name!r} is unknown (available: auto, torch, cpu)")

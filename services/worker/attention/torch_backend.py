@@ -33,14 +33,21 @@ class TorchAttentionBackend(AttentionBackend):
         if not meta.num_decode_tokens:
             return self._prefills(q, k, v, k_cache, v_cache, meta, scale)
         num_prefills = meta.num_prefills
-        decode_out = paged_decode_attention(
-            q[num_prefill_tokens:], k_cache, v_cache, meta.block_tables[num_prefills:],
-            meta.seq_lens[num_prefills:], max(meta.seq_lens_list[num_prefills:]), scale)
+        decode_out = self._decodes(q[num_prefill_tokens:], k_cache, v_cache,
+                                   meta.block_tables[num_prefills:], meta.seq_lens[num_prefills:],
+                                   max(meta.seq_lens_list[num_prefills:]), scale)
         if not num_prefills:
             return decode_out
         prefill_out = self._prefills(q[:num_prefill_tokens], k[:num_prefill_tokens],
                                      v[:num_prefill_tokens], k_cache, v_cache, meta, scale)
         return torch.cat((prefill_out, decode_out))
+
+    def _decodes(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
+                 scale: float) -> torch.Tensor:
+        """Attention of the decoding sequences: one query token each."""
+        return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len,
+                                      scale)
 
     def _prefills(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   k_cache: torch.Tensor | None, v_cache: torch.Tensor | None,

@@ -2,7 +2,10 @@
 
 Tokens of all sequences in a step are one flat batch ([num_tokens, hidden]); only attention knows
 where sequences begin and end (AttentionMetadata). q/k/v and gate/up projections are fused into
-one matmul each; `load_weights` stacks the Hugging Face tensors into them.
+one matmul each; `load_weights` stacks the Hugging Face tensors into them. The residual stream
+is carried beside the hidden state so that each RMSNorm also does the residual add before it.
+On the CPU the element-wise ops run as the compiled kernels of kernels/cpu (one pass each); the
+torch code beside them computes the same and runs everywhere else.
 """
 import math
 from collections.abc import Iterable
@@ -11,23 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu as cpu_kernels
 from services.worker.attention.base import AttentionBackend, AttentionMetadata
+from services.worker.models.linear import Linear, linear, pack_weight
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
-
-
-class Linear(nn.Module):
-    """y = x W^T (+ b). Left uninitialised: `load_weights` fills every parameter."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype),
-                                   requires_grad=False)
-        self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
-                     if bias else None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
 
 
 class Embedding(nn.Module):
@@ -46,8 +37,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """RMSNorm(x); with `residual`: (RMSNorm(x + residual), x + residual), the sum written
+        into `residual` in place on the CPU path."""
+        if cpu_kernels.available_for(x):
+            return (cpu_kernels.rms_norm(x, self.weight, self.eps) if residual is None else
+                    (cpu_kernels.rms_norm(x, self.weight, self.eps, residual), residual))
+        if residual is None:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        residual = x + residual
+        return F.rms_norm(residual, self.weight.shape, self.weight, self.eps), residual
 
 
 def rope_parameters(hf_config) -> dict:
@@ -103,7 +102,9 @@ class RotaryEmbedding(nn.Module):
         self.half = head_dim // 2
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, head_dim] -> rotated copy."""
+        """x [T, heads, head_dim] -> rotated (in place on the CPU path, a copy otherwise)."""
+        if cpu_kernels.available_for(x):
+            return cpu_kernels.rotary_(x, positions, self.cos_sin)
         cos, sin = self.cos_sin.index_select(0, positions).unsqueeze(1).unbind(2)  # [T, 1, D]
         return torch.addcmul(x * cos, x.roll(self.half, dims=-1), sin)
 
@@ -152,7 +153,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, intermediate] each
+        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
+        if cpu_kernels.available_for(gate_up):
+            return self.down_proj(cpu_kernels.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -166,10 +170,19 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(c, dtype)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache | None,
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: KVCache | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (this layer's MLP output, the residual stream before it); their sum is the
+        layer's output, formed by the next norm."""
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -188,9 +201,11 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache] | None, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
+        residual = None
         for i, layer in enumerate(self.layers):
-            x = layer(positions, x, kv_caches[i] if kv_caches is not None else None, meta)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual,
+                                kv_caches[i] if kv_caches is not None else None, meta)
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
 # Hugging Face projection name -> (our fused projection, index of its slice).
@@ -205,6 +220,7 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         self.model = LlamaModel(hf_config, attn_backend, dtype)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.lm_head_packed: torch.Tensor | None = None  # a tied head's packed copy
         if not self.tie_word_embeddings:
             self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, False, dtype)
         attn = self.model.layers[0].self_attn
@@ -225,10 +241,25 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] float32."""
-        weight = (self.model.embed_tokens.weight if self.tie_word_embeddings
-                  else self.lm_head.weight)
-        return F.linear(hidden_states, weight).float()
+        """[N, hidden] -> [N, vocab] in the model's dtype (the sampler reads bf16 logits
+        directly where it can, and converts them to float32 where it must)."""
+        if not self.tie_word_embeddings:
+            return self.lm_head(hidden_states)
+        return linear(hidden_states, self.model.embed_tokens.weight, None, self.lm_head_packed)
+
+    def pack_weights(self) -> None:
+        """After loading: prepare every matmul weight for the device's fastest kernel."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        head = (self.model.embed_tokens.weight if self.tie_word_embeddings
+                else self.lm_head.weight)
+        # The head is the largest matmul: packed in fp32 too (a copy when tied to the embedding).
+        packed = pack_weight(head, (torch.bfloat16, torch.float32))
+        if self.tie_word_embeddings:
+            self.lm_head_packed = packed
+        else:
+            self.lm_head.packed = packed
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -1,0 +1,141 @@
+"""CPU kernels in C (built on first use, see build.py): paged decode attention, the
+element-wise layer ops and greedy sampling. Each computes what its torch counterpart computes
+(kernels/reference.py for attention, the modules of services/worker/models/llama.py and the
+sampler for the rest), which stands in for it where it cannot run: another device or dtype, no
+C compiler, or PAGODA_CPU_KERNELS=0."""
+import ctypes
+
+import torch
+
+from kernels.cpu.build import load, unavailable_reason
+
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_SIGNATURES = {
+    "paged_decode": ([_P, _I64, _P, _P, _P, _I64, _P, _P, _INT, _INT, _INT, _INT, _INT, _F], _INT),
+    "rms_norm": ([_P, _I64, _P, _P, _P, _I64, _INT, _F], None),
+    "silu_and_mul": ([_P, _P, _I64, _INT], None),
+    "rotary": ([_P, _I64, _P, _P, _I64, _INT, _INT], None),
+    "greedy_sample": ([_P, _I64, _I64, _I64, _P, _P], None),
+}
+_bound: dict[tuple[str, torch.dtype], object] = {}
+
+
+def _function(name: str, dtype: torch.dtype):
+    fn = _bound.get((name, dtype))
+    if fn is None:
+        lib = load()
+        if lib is None or dtype not in _SUFFIX:
+            return None
+        fn = getattr(lib, f"{name}_{_SUFFIX[dtype]}")
+        fn.argtypes, fn.restype = _SIGNATURES[name]
+        _bound[(name, dtype)] = fn
+    return fn
+
+
+def available_for(x: torch.Tensor) -> bool:
+    """Whether the element-wise kernels run on this tensor (CPU, float32/bfloat16, built)."""
+    return x.device.type == "cpu" and x.dtype in _SUFFIX and load() is not None
+
+
+def supports(dtype: torch.dtype, device: torch.device, num_heads: int, num_kv_heads: int,
+             head_dim: int, block_size: int) -> bool:
+    """Whether `paged_decode_attention` runs for this model and cache here (the kernel's limits:
+    16 query heads per KV head, head_dim 256, block_size 128)."""
+    return (device.type == "cpu" and dtype in _SUFFIX and num_heads % num_kv_heads == 0
+            and num_heads // num_kv_heads <= 16 and head_dim <= 256 and block_size <= 128
+            and _function("paged_decode", dtype) is not None)
+
+
+def _rows_contiguous(x: torch.Tensor) -> bool:
+    """Each row (last dim) contiguous, rows at a fixed stride."""
+    return x.dim() == 2 and x.stride(1) == 1
+
+
+def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
+                           scale: float) -> torch.Tensor:
+    """As kernels.reference.paged_decode_attention, reading the cache blocks in place.
+    query [num_seqs, num_heads, head_dim] -> [num_seqs, num_heads, head_dim]."""
+    del max_seq_len  # the kernel walks each sequence's own length
+    num_seqs, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    if query.stride(2) != 1 or query.stride(1) != head_dim:
+        query = query.contiguous()
+    assert key_cache.is_contiguous() and value_cache.is_contiguous()
+    # The kernel reads every buffer as query's dtype, and the cache as [.., num_kv_heads, head_dim].
+    assert key_cache.dtype == value_cache.dtype == query.dtype
+    assert value_cache.shape == key_cache.shape and key_cache.shape[3] == head_dim
+    assert block_tables.dtype == torch.int64 and seq_lens.dtype == torch.int64
+    assert block_tables.dim() == 2 and block_tables.shape[0] == seq_lens.shape[0] == num_seqs
+    block_tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
+    seq_lens = seq_lens.contiguous()
+    out = torch.empty(num_seqs, num_heads, head_dim, dtype=query.dtype)
+    fn = _function("paged_decode", query.dtype)
+    if fn is None:
+        raise RuntimeError(f"cpu paged attention is unavailable for {query.dtype}: "
+                           f"{unavailable_reason() or 'dtype not supported'}")
+    rc = fn(query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
+            block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(),
+            num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale)
+    if rc != 0:
+        raise ValueError(f"cpu paged attention cannot run {num_heads} heads / {num_kv_heads} KV "
+                         f"heads, head_dim {head_dim}, block_size {block_size}")
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm of x [T, hidden] -> a new tensor. With `residual` [T, hidden] (contiguous), first
+    residual += x in place and the sum is normalised."""
+    assert x.dim() == 2 and weight.is_contiguous() and weight.dtype == x.dtype
+    assert weight.shape == (x.shape[1],)
+    if not _rows_contiguous(x):
+        x = x.contiguous()
+    assert residual is None or (residual.is_contiguous() and residual.shape == x.shape
+                                and residual.dtype == x.dtype)
+    out = torch.empty(x.shape, dtype=x.dtype)
+    _function("rms_norm", x.dtype)(
+        x.data_ptr(), x.stride(0), residual.data_ptr() if residual is not None else None,
+        weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+    return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2 * inter] = [gate | up] -> silu(gate) * up [T, inter]."""
+    assert x.dim() == 2
+    x = x.contiguous()
+    rows, cols = x.shape[0], x.shape[1] // 2
+    out = torch.empty(rows, cols, dtype=x.dtype)
+    _function("silu_and_mul", x.dtype)(x.data_ptr(), out.data_ptr(), rows, cols)
+    return out
+
+
+def rotary_(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """Rotates x [T, heads, head_dim] in place (heads contiguous, tokens at any stride) with a
+    cos_sin table [max_positions, 2, head_dim] of [cos, cos], [-sin, sin]; returns x."""
+    tokens, heads, head_dim = x.shape
+    assert x.stride(2) == 1 and x.stride(1) == head_dim and cos_sin.is_contiguous()
+    assert positions.dtype == torch.int64 and cos_sin.dtype == x.dtype
+    assert cos_sin.shape[1:] == (2, head_dim) and positions.shape == (tokens,)
+    positions = positions.contiguous()
+    # The kernel indexes the table unchecked; torch's index_select would raise here.
+    if tokens and not (0 <= int(positions.min()) and int(positions.max()) < cos_sin.shape[0]):
+        raise IndexError(f"rotary positions must lie in [0, {cos_sin.shape[0]}), got "
+                         f"{positions.min().item()}..{positions.max().item()}")
+    _function("rotary", x.dtype)(x.data_ptr(), x.stride(0), positions.data_ptr(),
+                                 cos_sin.data_ptr(), tokens, heads, head_dim)
+    return x
+
+
+def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, V] -> (argmax token ids [N] int64, their logprobs [N] float32), the first
+    index on ties as torch.argmax; reads bf16 logits without a float copy."""
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    rows, vocab = logits.shape
+    token_ids = torch.empty(rows, dtype=torch.int64)
+    logprobs = torch.empty(rows, dtype=torch.float32)
+    _function("greedy_sample", logits.dtype)(logits.data_ptr(), logits.stride(0), rows, vocab,
+                                             token_ids.data_ptr(), logprobs.data_ptr())
+    return token_ids, logprobs

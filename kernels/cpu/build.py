@@ -1,0 +1,101 @@
+"""Compiles the CPU kernels' C source with the system C compiler on first use and loads them.
+
+The library is built for this machine's instruction set (-march=native), so it is cached per
+source, compiler flags and CPU: `$PAGODA_CACHE_DIR/kernels` (default ~/.cache/pagoda/kernels).
+A build takes a few seconds. Without a C compiler, or with PAGODA_CPU_KERNELS=0, `load()` returns
+None and callers keep the torch ops; the reason is logged once.
+"""
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+
+from shared.logging import get_logger
+
+log = get_logger("kernels")
+
+SOURCES = ("paged_attention.c", "layer_ops.c", "sampling.c")
+HEADERS = ("common.h",)
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_failed: str | None = None
+
+
+def cache_dir() -> str:
+    root = os.environ.get("PAGODA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                               "pagoda")
+    return os.path.join(root, "kernels")
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the CPU model and its feature flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags"))][:2]
+        return "".join(lines)
+    except OSError:
+        return ""
+
+
+def _library_path(compiler: str) -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    digest = hashlib.sha256()
+    for name in SOURCES + HEADERS:
+        with open(os.path.join(here, name), "rb") as f:
+            digest.update(f.read())
+    digest.update(" ".join([compiler, *FLAGS]).encode())
+    digest.update(_cpu_signature().encode())
+    return os.path.join(cache_dir(), f"pagoda_cpu_kernels_{digest.hexdigest()[:16]}.so")
+
+
+def _compile(compiler: str, path: str) -> None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    # Build beside the target and rename: processes starting together never load half a file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
+    os.close(fd)
+    try:
+        cmd = [compiler, *FLAGS, *(os.path.join(here, s) for s in SOURCES), "-o", tmp, "-lm"]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-2000:]}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled kernels, building them if needed; None when they cannot be built here."""
+    global _lib, _failed
+    with _lock:
+        if _lib is not None or _failed is not None:
+            return _lib
+        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        try:
+            if os.environ.get("PAGODA_CPU_KERNELS", "1") == "0":
+                raise RuntimeError("turned off by PAGODA_CPU_KERNELS=0")
+            if compiler is None:
+                raise RuntimeError("no C compiler (cc/gcc) on PATH")
+            path = _library_path(compiler)
+            if not os.path.exists(path):
+                log.info("building cpu kernels", compiler=compiler, path=path)
+                _compile(compiler, path)
+            # torch is imported first, so its OpenMP runtime (libgomp.so.1) is already loaded
+            # and the library binds to it rather than to a second copy.
+            import torch  # noqa: F401
+            _lib = ctypes.CDLL(path)
+        except Exception as e:  # any failure leaves the torch reference ops in charge
+            _failed = str(e)
+            log.warning("cpu kernels unavailable, using the torch reference ops", error=_failed)
+        return _lib
+
+
+def unavailable_reason() -> str | None:
+    load()
+    return _failed

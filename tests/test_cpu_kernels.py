@@ -1,0 +1,601 @@
+"""The compiled CPU kernels (kernels/cpu) against the torch code each one stands in for:
+paged decode attention against kernels/reference.py, the layer ops against the torch path of
+services/worker/models/llama.py (for bfloat16 also against the Hugging Face rounding they copy),
+the packed bf16 matmul against F.linear; the build and its fallbacks in fresh processes; and a
+tiny bf16 Llama with the kernels on against transformers and against itself with them off."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu as cpu_kernels
+from kernels import reference
+from services.worker.attention.base import get_attn_backend
+from services.worker.attention.torch_backend import TorchAttentionBackend
+from services.worker.model_loader import load_model
+from services.worker.models.linear import Linear, _onednn, linear, pack_weight
+from services.worker.models.llama import RotaryEmbedding
+from tests.helpers import (PagedBatchPlanner, PagedSequence, load_config, model_config_for,
+                           new_kv_caches, save_random_model, tiny_llama_config)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many bfloat16 values lie between a and b (0: equal, 1: neighbours), elementwise."""
+    def ordered(x):
+        bits = x.contiguous().view(torch.int16).int()
+        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+    return (ordered(a) - ordered(b)).abs()
+
+
+def test_the_kernels_build_on_this_machine():
+    assert cpu_kernels.unavailable_reason() is None
+    assert cpu_kernels.available_for(torch.zeros(2, 2))
+    assert cpu_kernels.available_for(torch.zeros(2, 2, dtype=torch.bfloat16))
+    assert not cpu_kernels.available_for(torch.zeros(2, 2, dtype=torch.float16))
+    assert not cpu_kernels.available_for(torch.zeros(2, 2, device="meta"))
+
+
+# --- paged decode attention ------------------------------------------------------------------
+
+class PagedCase:
+    """A decode batch over a paged cache: each sequence's blocks at random, non-sequential ids;
+    block tables padded with block 0 to two columns past the longest sequence's; every cache slot
+    random (so stale data sits in the padding and past each sequence's end)."""
+
+    def __init__(self, lens, num_kv_heads, group, head_dim, block_size, dtype,
+                 strided_query=True, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.lens, self.block_size = list(lens), block_size
+        self.num_heads = num_kv_heads * group
+        blocks_per_seq = [-(-n // block_size) for n in lens]
+        num_blocks = sum(blocks_per_seq) + 5
+        ids = torch.randperm(num_blocks, generator=g).tolist()
+        width = max(blocks_per_seq) + 2
+        self.tables = []
+        for n in blocks_per_seq:
+            self.tables.append(ids[:n])
+            ids = ids[n:]
+        self.block_tables = torch.tensor([t + [0] * (width - len(t)) for t in self.tables])
+        self.seq_lens = torch.tensor(self.lens)
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.key_cache = torch.randn(shape, generator=g).to(dtype)
+        self.value_cache = torch.randn(shape, generator=g).to(dtype)
+        num_seqs = len(lens)
+        if strided_query:  # q sliced out of a fused [q | k] tensor, as the model passes it
+            qk = torch.randn(num_seqs, self.num_heads + num_kv_heads, head_dim, generator=g)
+            self.query = qk.to(dtype)[:, :self.num_heads]
+            assert not self.query.is_contiguous()
+        else:
+            self.query = torch.randn(num_seqs, self.num_heads, head_dim, generator=g).to(dtype)
+        self.scale = head_dim ** -0.5
+
+    def args(self, dtype=None):
+        cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
+        return (cast(self.query), cast(self.key_cache), cast(self.value_cache), self.block_tables,
+                self.seq_lens, max(self.lens), self.scale)
+
+    def used_slots(self) -> torch.Tensor:
+        """[num_blocks, block_size] bool: the slots that hold one of the sequences' tokens."""
+        used = torch.zeros(self.key_cache.shape[:2], dtype=torch.bool)
+        for table, n in zip(self.tables, self.lens):
+            for i, block in enumerate(table):
+                used[block, :min(self.block_size, n - i * self.block_size)] = True
+        return used
+
+
+# (num_kv_heads, group, head_dim, block_size, seq_lens): groups 1/3/4/8/16, head_dim 64, 128 and
+# generic ones, block sizes 8..128; lengths 1, exactly a block, a block + 1, long, mixed batches.
+ATTENTION_CASES = [
+    (2, 1, 64, 16, [1, 16, 17]),
+    (2, 3, 128, 16, [16, 1, 600]),
+    (1, 4, 128, 8, [9, 8, 1]),
+    (2, 8, 96, 32, [33, 600, 32]),
+    (1, 16, 80, 128, [128, 129, 5]),
+    (4, 4, 64, 128, [600, 1]),
+    (2, 4, 128, 16, [1, 16, 17, 600, 250, 3, 64, 65]),
+    (1, 8, 256, 32, [70, 31]),
+    (3, 3, 48, 8, [1, 8, 9, 64, 2]),
+]
+CASE_IDS = [f"kv{kv}-g{g}-d{d}-b{b}" for kv, g, d, b, _ in ATTENTION_CASES]
+
+
+@pytest.mark.parametrize("strided_query", [True, False], ids=["strided_q", "contiguous_q"])
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=CASE_IDS)
+def test_paged_decode_attention_fp32_equals_the_reference(case, strided_query):
+    num_kv_heads, group, head_dim, block_size, lens = case
+    c = PagedCase(lens, num_kv_heads, group, head_dim, block_size, torch.float32, strided_query)
+    out = cpu_kernels.paged_decode_attention(*c.args())
+    expected = reference.paged_decode_attention(*c.args())
+    assert out.shape == expected.shape == (len(lens), c.num_heads, head_dim)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=CASE_IDS)
+def test_paged_decode_attention_bf16_equals_the_reference_to_bf16_rounding(case):
+    num_kv_heads, group, head_dim, block_size, lens = case
+    c = PagedCase(lens, num_kv_heads, group, head_dim, block_size, torch.bfloat16)
+    out = cpu_kernels.paged_decode_attention(*c.args())
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, reference.paged_decode_attention(*c.args()),
+                               atol=1e-2, rtol=1.6e-2)
+    # Against fp32 attention over the same (bf16-valued) inputs the only error is the final
+    # rounding to bf16: at most half a unit in the last place (2^-8 relative) plus float noise.
+    exact = reference.paged_decode_attention(*c.args(torch.float32))
+    error = (out.float() - exact).abs()
+    assert (error <= exact.abs() * 2 ** -8 + 1e-5).all(), error.max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_attention_reads_only_each_sequences_own_tokens(dtype):
+    """NaN in every slot no sequence owns (the tail of each last block, the unused blocks, block
+    0 that pads the tables) leaves the output finite and unchanged."""
+    c = PagedCase([1, 17, 40, 16], 2, 4, 64, 16, dtype)
+    expected = cpu_kernels.paged_decode_attention(*c.args())
+    free = ~c.used_slots()
+    assert free.any()
+    c.key_cache[free] = float("nan")
+    c.value_cache[free] = float("nan")
+    out = cpu_kernels.paged_decode_attention(*c.args())
+    assert torch.isfinite(out).all()
+    assert torch.equal(out, expected)
+
+
+def test_paged_decode_attention_addresses_a_cache_past_2_to_the_31_elements():
+    """Block ids whose element offset does not fit in 32 bits. The cache is left uninitialised
+    (untouched pages cost no memory); only the blocks the sequences use are written."""
+    block_size, head_dim = 16, 64
+    num_blocks = (1 << 31) // (block_size * head_dim) + 8  # 4 GiB of bf16, one KV head
+    key_cache = torch.empty(num_blocks, block_size, 1, head_dim, dtype=torch.bfloat16)
+    value_cache = torch.empty_like(key_cache)
+    assert key_cache.numel() > 2 ** 31
+    g = torch.Generator().manual_seed(0)
+    tables = [[num_blocks - 1, 3, num_blocks - 5], [num_blocks - 2]]
+    for block in {b for t in tables for b in t}:
+        key_cache[block] = torch.randn(block_size, 1, head_dim, generator=g)
+        value_cache[block] = torch.randn(block_size, 1, head_dim, generator=g)
+    key_cache[0] = value_cache[0] = 0  # the padding block: the reference reads it (masked)
+    block_tables = torch.tensor([tables[0], tables[1] + [0, 0]])
+    seq_lens = torch.tensor([40, 11])
+    query = torch.randn(2, 4, head_dim, generator=g).to(torch.bfloat16)
+    args = (query, key_cache, value_cache, block_tables, seq_lens, 40, head_dim ** -0.5)
+    out = cpu_kernels.paged_decode_attention(*args)
+    torch.testing.assert_close(out, reference.paged_decode_attention(*args), atol=1e-2,
+                               rtol=1.6e-2)
+
+
+UNSUPPORTED = [  # (num_heads, num_kv_heads, head_dim, block_size): past the kernel's limits
+    (17, 1, 64, 16),  # 17 query heads per KV head
+    (34, 2, 64, 16),
+    (4, 1, 264, 16),  # head_dim > 256
+    (4, 1, 64, 256),  # block_size > 128
+]
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", UNSUPPORTED)
+def test_shapes_past_the_kernels_limits_are_refused(num_heads, num_kv_heads, head_dim,
+                                                    block_size):
+    cpu = torch.device("cpu")
+    assert not cpu_kernels.supports(torch.float32, cpu, num_heads, num_kv_heads, head_dim,
+                                    block_size)
+    query = torch.randn(2, num_heads, head_dim)
+    cache = torch.randn(3, block_size, num_kv_heads, head_dim)
+    with pytest.raises(ValueError, match="cannot run"):
+        cpu_kernels.paged_decode_attention(query, cache, cache, torch.tensor([[1], [2]]),
+                                           torch.tensor([1, 2]), 2, 0.125)
+
+
+def test_supports_only_cpu_float32_and_bfloat16_with_whole_groups():
+    cpu = torch.device("cpu")
+    assert cpu_kernels.supports(torch.float32, cpu, 32, 8, 128, 16)
+    assert cpu_kernels.supports(torch.bfloat16, cpu, 16, 1, 256, 128)
+    assert not cpu_kernels.supports(torch.float16, cpu, 32, 8, 128, 16)
+    assert not cpu_kernels.supports(torch.float32, torch.device("cuda"), 32, 8, 128, 16)
+    assert not cpu_kernels.supports(torch.float32, cpu, 6, 4, 64, 16)  # 6 heads over 4 KV heads
+
+
+def test_get_attn_backend_picks_the_cpu_kernels_where_they_run():
+    assert get_attn_backend("auto", dtype=torch.bfloat16, num_heads=8, num_kv_heads=2).name == "cpu"
+    assert get_attn_backend("cpu", dtype=torch.float32).name == "cpu"
+    assert get_attn_backend("torch", dtype=torch.float32).name == "torch"
+    assert get_attn_backend("auto", dtype=torch.float16).name == "torch"
+    assert get_attn_backend("auto", num_heads=17, num_kv_heads=1).name == "torch"
+    with pytest.raises(ValueError, match="head_dim 512"):
+        get_attn_backend("cpu", head_dim=512)
+
+
+# --- rms_norm ----------------------------------------------------------------------------------
+
+def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm: float compute, round to the dtype, then times the weight."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def norm_inputs(rows, hidden, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, hidden, generator=g) * 3).to(dtype)
+    weight = (1 + 0.5 * torch.randn(hidden, generator=g)).to(dtype)
+    residual = (torch.randn(rows, hidden, generator=g) * 10).to(dtype)
+    return x, weight, residual
+
+
+@pytest.mark.parametrize("rows,hidden", [(1, 64), (7, 96), (33, 4096)])
+def test_rms_norm_fp32_matches_torch(rows, hidden):
+    x, weight, _ = norm_inputs(rows, hidden, torch.float32)
+    out = cpu_kernels.rms_norm(x, weight, 1e-5)
+    torch.testing.assert_close(out, F.rms_norm(x, (hidden,), weight, 1e-5), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("rows,hidden", [(1, 64), (7, 96), (33, 4096)])
+def test_rms_norm_bf16_rounds_as_hugging_face(rows, hidden):
+    x, weight, _ = norm_inputs(rows, hidden, torch.bfloat16)
+    out = cpu_kernels.rms_norm(x, weight, 1e-6)
+    ulps = bf16_ulps(out, hf_rms_norm(x, weight, 1e-6))
+    assert ulps.max() <= 1 and (ulps == 0).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_with_residual_adds_it_in_place_and_normalises_the_sum(dtype):
+    x, weight, residual = norm_inputs(9, 128, dtype)
+    before = residual.clone()
+    out = cpu_kernels.rms_norm(x, weight, 1e-5, residual)
+    total = x + before  # in the dtype, as the model adds them
+    assert torch.equal(residual, total)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, F.rms_norm(total, (128,), weight, 1e-5), atol=1e-6,
+                                   rtol=1e-6)
+    else:
+        assert bf16_ulps(out, hf_rms_norm(total, weight, 1e-5)).max() <= 1
+    assert not torch.equal(x, total)  # x itself is left alone
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_of_non_contiguous_rows(dtype):
+    x, weight, residual = norm_inputs(6, 64, dtype)
+    wide = torch.cat((x, torch.full_like(x, float("nan"))), dim=1)  # rows 128 elements apart
+    rows_view = wide[:, :64]
+    assert rows_view.stride() == (128, 1)
+    torch.testing.assert_close(cpu_kernels.rms_norm(rows_view, weight, 1e-5),
+                               cpu_kernels.rms_norm(x, weight, 1e-5), atol=0, rtol=0)
+    columns_view = x.t().contiguous().t()  # elements not contiguous within a row
+    torch.testing.assert_close(cpu_kernels.rms_norm(columns_view, weight, 1e-5),
+                               cpu_kernels.rms_norm(x, weight, 1e-5), atol=0, rtol=0)
+    res = residual.clone()
+    out = cpu_kernels.rms_norm(rows_view, weight, 1e-5, res)
+    assert torch.equal(res, x + residual)
+    torch.testing.assert_close(out, cpu_kernels.rms_norm(x + residual, weight, 1e-5), atol=0,
+                               rtol=0)
+
+
+# --- silu_and_mul ------------------------------------------------------------------------------
+
+def gate_up(rows, inter, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, 2 * inter, generator=g) * 4).to(dtype)
+
+
+def test_silu_and_mul_fp32_matches_torch():
+    x = gate_up(17, 352, torch.float32)
+    x[0, :6] = torch.tensor([100.0, -100.0, 30.0, -30.0, 88.5, -88.5])  # gates far from 0
+    gate, up = x.chunk(2, dim=-1)
+    out = cpu_kernels.silu_and_mul(x)
+    torch.testing.assert_close(out, F.silu(gate) * up, atol=1e-6, rtol=1e-6)
+
+
+def test_silu_and_mul_bf16_is_within_one_ulp_of_torch():
+    x = gate_up(17, 352, torch.bfloat16)
+    gate, up = x.chunk(2, dim=-1)
+    out = cpu_kernels.silu_and_mul(x)
+    ulps = bf16_ulps(out, F.silu(gate) * up)  # torch: silu rounded to bf16, then the product
+    assert ulps.max() <= 1 and (ulps == 0).float().mean() > 0.99
+    # silu alone (up = 1): the activation is rounded once, as torch rounds it.
+    ones = torch.cat((gate, torch.ones_like(up)), dim=-1)
+    assert bf16_ulps(cpu_kernels.silu_and_mul(ones), F.silu(gate)).max() <= 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_of_large_gates_is_finite_and_exact(dtype):
+    gate = torch.tensor([[100.0, -100.0, 1000.0, -1000.0, 1e38, -1e38]], dtype=dtype)
+    up = torch.full_like(gate, 2.0)
+    out = cpu_kernels.silu_and_mul(torch.cat((gate, up), dim=-1))[0]
+    assert torch.isfinite(out).all()
+    assert out[0] == 200.0 and out[2] == 2000.0 and out[4] == gate[0, 4] * 2
+    assert (out[1::2] == 0).all()  # -0 (torch: silu(-100) = -3.7e-42 in fp32, 0 in bf16)
+    # The infinities go where torch's go: silu(inf) = inf, silu(-inf) = -inf * 0 = nan.
+    edge = torch.tensor([[float("inf"), float("-inf"), float("nan"), 1.0, 1.0, 1.0]], dtype=dtype)
+    gate, up = edge.chunk(2, dim=-1)
+    torch.testing.assert_close(cpu_kernels.silu_and_mul(edge), F.silu(gate) * up, equal_nan=True)
+
+
+# --- rotary --------------------------------------------------------------------------------------
+
+def torch_rotary(x, positions, cos_sin, half):
+    """The torch path of RotaryEmbedding.forward."""
+    cos, sin = cos_sin.index_select(0, positions).unsqueeze(1).unbind(2)
+    return torch.addcmul(x * cos, x.roll(half, dims=-1), sin)
+
+
+def hf_rotary(x, positions, cos_sin, half):
+    """transformers' q * cos + rotate_half(q) * sin: three ops, each rounded to the dtype."""
+    cos, sin = cos_sin.index_select(0, positions).unsqueeze(1).unbind(2)
+    return x * cos + x.roll(half, dims=-1) * sin
+
+
+def fused_qkv(tokens, heads, kv_heads, head_dim, dtype, seed=0):
+    """qkv [T, (H + 2 KVH) D] as the fused projection returns it and its q|k view
+    [T, H + KVH, D]."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g) * 2).to(dtype)
+    qk = qkv[:, :(heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
+    return qkv, qk
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+def test_rotary_rotates_the_qk_view_in_place_and_leaves_v_alone(dtype, head_dim):
+    rope = RotaryEmbedding(tiny_llama_config(), head_dim, 512, dtype)
+    heads, kv_heads, tokens = 6, 2, 23
+    qkv, qk = fused_qkv(tokens, heads, kv_heads, head_dim, dtype)
+    before = qkv.clone()
+    qk_before = qk.clone()
+    positions = torch.randint(0, 512, (tokens,), generator=torch.Generator().manual_seed(1))
+    positions[:2] = torch.tensor([0, 511])
+    out = cpu_kernels.rotary_(qk, positions, rope.cos_sin)
+    assert out is qk
+    split = (heads + kv_heads) * head_dim
+    assert torch.equal(qkv[:, split:], before[:, split:])
+    assert not torch.equal(qkv[:, :split], before[:, :split])
+    expected = torch_rotary(qk_before, positions, rope.cos_sin, head_dim // 2)
+    if dtype == torch.float32:
+        torch.testing.assert_close(qk, expected, atol=1e-6, rtol=1e-6)
+    else:
+        assert torch.equal(qk, hf_rotary(qk_before, positions, rope.cos_sin, head_dim // 2))
+        torch.testing.assert_close(qk, expected, atol=1e-2, rtol=1.6e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_embedding_module_with_the_kernels_on_and_off(dtype, monkeypatch):
+    rope = RotaryEmbedding(tiny_llama_config(rope_theta=500000.0), 64, 256, dtype)
+    qkv, qk = fused_qkv(9, 4, 2, 64, dtype, seed=2)
+    positions = torch.arange(100, 109)
+    with monkeypatch.context() as patch:
+        patch.setattr(cpu_kernels, "available_for", lambda x: False)
+        off = rope(positions, qk)
+    assert off is not qk
+    on = rope(positions, qk)
+    assert on is qk
+    if dtype == torch.float32:
+        torch.testing.assert_close(on, off, atol=1e-6, rtol=1e-6)
+    else:
+        torch.testing.assert_close(on, off, atol=1e-2, rtol=1.6e-2)
+
+
+def test_rotary_refuses_positions_outside_its_table():
+    rope = RotaryEmbedding(tiny_llama_config(), 64, 32, torch.float32)
+    _, qk = fused_qkv(2, 2, 1, 64, torch.float32)
+    for positions in ([0, 32], [-1, 3]):
+        with pytest.raises(IndexError):
+            cpu_kernels.rotary_(qk, torch.tensor(positions), rope.cos_sin)
+
+
+# --- packed linear -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_bf16_linear_equals_f_linear(bias):
+    g = torch.Generator().manual_seed(0)
+    weight = (torch.randn(384, 256, generator=g) * 0.05).to(torch.bfloat16)
+    b = torch.randn(384, generator=g).to(torch.bfloat16) if bias else None
+    packed = pack_weight(weight)
+    assert _onednn(torch.bfloat16)  # this machine's CPU has bf16 instructions: packing applies
+    assert isinstance(packed, torch.Tensor)
+    for rows in (1, 7, 64, 300):
+        x = torch.randn(rows, 256, generator=g).to(torch.bfloat16)
+        out = linear(x, weight, b, packed)
+        expected = F.linear(x, weight, b)
+        assert out.shape == expected.shape and out.dtype == torch.bfloat16
+        # Float accumulation either way (here the very same result); a different summation
+        # order could move a rounding by one bf16 step.
+        assert bf16_ulps(out, expected).max() <= 1
+
+
+def test_fp32_layer_weights_are_stored_transposed_not_packed():
+    g = torch.Generator().manual_seed(1)
+    layer = Linear(16, 32, bias=True, dtype=torch.float32)
+    layer.weight.data.copy_(torch.randn(32, 16, generator=g))
+    layer.bias.data.copy_(torch.randn(32, generator=g))
+    before = layer.weight.detach().clone()
+    x = torch.randn(3, 16, generator=g)
+    expected = F.linear(x, before, layer.bias)
+    layer.pack()
+    assert layer.packed is None  # oneDNN's fp32 packing loses on prompt-sized batches
+    assert torch.equal(layer.weight, before) and layer.weight.shape == (32, 16)
+    assert layer.weight.t().is_contiguous()  # stored [in, out] for MKL
+    assert torch.allclose(layer(x), expected, atol=1e-6)
+
+
+def test_fp32_lm_head_packing_equals_f_linear():
+    g = torch.Generator().manual_seed(2)
+    weight = torch.randn(1000, 64, generator=g)
+    assert pack_weight(weight) is None  # only when asked for fp32
+    packed = pack_weight(weight, (torch.bfloat16, torch.float32))
+    assert isinstance(packed, torch.Tensor)
+    for rows in (1, 5, 64):
+        x = torch.randn(rows, 64, generator=g)
+        assert torch.allclose(linear(x, weight, None, packed), F.linear(x, weight), atol=1e-5)
+
+
+# --- build and fallbacks, in fresh processes ---------------------------------------------------
+
+def run_python(code: str, **env) -> dict:
+    """Runs `code` in a fresh interpreter at the repository root; it prints one JSON line last."""
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", **env},
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return {**json.loads(result.stdout.strip().splitlines()[-1]), "log": result.stderr
+            + result.stdout}
+
+
+FALLBACK = """
+    import json, torch
+    from kernels import cpu
+    from kernels.cpu.build import load
+    from services.worker.attention.base import get_attn_backend
+    try:
+        get_attn_backend("cpu", dtype=torch.bfloat16)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    print(json.dumps(dict(loaded=load() is not None, reason=cpu.unavailable_reason(),
+                          available=cpu.available_for(torch.zeros(2, 2)),
+                          auto=get_attn_backend("auto", dtype=torch.bfloat16).name, error=error)))
+"""
+
+
+def test_pagoda_cpu_kernels_0_turns_them_off(tmp_path):
+    out = run_python(FALLBACK, PAGODA_CPU_KERNELS="0", PAGODA_CACHE_DIR=str(tmp_path))
+    assert not out["loaded"] and not out["available"]
+    assert out["auto"] == "torch"
+    assert "PAGODA_CPU_KERNELS=0" in out["reason"] and "PAGODA_CPU_KERNELS=0" in out["error"]
+    assert not (tmp_path / "kernels").exists()  # nothing was built
+
+
+def test_a_broken_compiler_leaves_the_torch_ops_in_charge(tmp_path):
+    out = run_python(FALLBACK, CC="/bin/false", PAGODA_CACHE_DIR=str(tmp_path))
+    assert not out["loaded"] and not out["available"]
+    assert out["auto"] == "torch"
+    assert "/bin/false" in out["reason"] and "failed" in out["reason"]
+    assert "failed" in out["error"]
+    assert os.listdir(tmp_path / "kernels") == []  # the half-built file is removed
+
+
+LOAD = """
+    import json, os, time, torch
+    from kernels.cpu import build
+    start = time.perf_counter()
+    lib = build.load()
+    print(json.dumps(dict(loaded=lib is not None, reason=build.unavailable_reason(),
+                          seconds=time.perf_counter() - start,
+                          files=sorted(os.listdir(build.cache_dir())))))
+"""
+
+
+def test_the_library_is_built_once_into_the_cache_dir_and_reused(tmp_path):
+    env = dict(PAGODA_CACHE_DIR=str(tmp_path))
+    # Two processes starting together both find no library and build it: each renames its own
+    # finished build into place, so both load a whole file and one library is left.
+    script = textwrap.dedent(LOAD)
+    procs = [subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", **env})
+             for _ in range(2)]
+    results, logs = [], ""
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 0, stderr
+        results.append(json.loads(stdout.strip().splitlines()[-1]))
+        logs += stdout + stderr
+    assert all(r["loaded"] and r["reason"] is None for r in results)
+    assert "building cpu kernels" in logs
+    files = os.listdir(tmp_path / "kernels")
+    assert len(files) == 1  # no half-built temporaries left behind
+    assert files[0].startswith("pagoda_cpu_kernels_") and files[0].endswith(".so")
+    library = tmp_path / "kernels" / files[0]
+    built = library.stat().st_mtime_ns
+    again = run_python(LOAD, **env)
+    assert again["loaded"] and again["files"] == files
+    assert "building cpu kernels" not in again["log"]
+    assert library.stat().st_mtime_ns == built
+
+
+# --- a tiny bf16 Llama -----------------------------------------------------------------------
+
+class TinyBf16Llama:
+    """transformers in bf16, pagoda in bf16 with the CPU kernels, and pagoda with the torch ops."""
+
+    def __init__(self, folder):
+        self.hf_config = tiny_llama_config()
+        self.hf = save_random_model(self.hf_config, folder).to(torch.bfloat16)
+        c = self.hf_config
+        self.head_dim = c.hidden_size // c.num_attention_heads
+        config = model_config_for(folder, c, torch.bfloat16)
+        self.cpu_backend = get_attn_backend("cpu", dtype=torch.bfloat16,
+                                            num_heads=c.num_attention_heads,
+                                            num_kv_heads=c.num_key_value_heads,
+                                            head_dim=self.head_dim, block_size=16)
+        assert self.cpu_backend.name == "cpu"
+        self.on = load_model(config, load_config(), torch.device("cpu"), self.cpu_backend)
+        self.off = load_model(config, load_config(), torch.device("cpu"), TorchAttentionBackend())
+
+    def greedy(self, model, prompts, steps, forced=None):
+        """Prefills the prompts together, decodes `steps` tokens -> (tokens, logits per step);
+        with `forced` (tokens per prompt) those are appended instead of the argmax."""
+        c = self.hf_config
+        planner = PagedBatchPlanner(64, 16, seed=3)
+        caches = new_kv_caches(c.num_hidden_layers, 64, 16, c.num_key_value_heads,
+                               self.head_dim, torch.bfloat16)
+        seqs = [PagedSequence(list(p)) for p in prompts]
+        step = planner.plan_step([(s, len(s.token_ids)) for s in seqs], [])
+        ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
+        with torch.inference_mode():
+            logits = model.compute_logits(model(step.input_ids, step.positions, caches,
+                                                step.meta))[ends]
+            all_logits = [logits]
+            for _ in range(steps):
+                n = len(all_logits) - 1
+                next_tokens = (all_logits[-1].argmax(-1).tolist() if forced is None
+                               else [f[n] for f in forced])
+                for seq, token in zip(seqs, next_tokens):
+                    seq.token_ids.append(token)
+                step = planner.plan_step([], seqs)
+                all_logits.append(model.compute_logits(
+                    model(step.input_ids, step.positions, caches, step.meta)))
+        return [s.token_ids[len(p):] for s, p in zip(seqs, prompts)], all_logits
+
+
+def top2_gap(logits: torch.Tensor) -> torch.Tensor:
+    top = logits.float().topk(2, dim=-1).values
+    return top[..., 0] - top[..., 1]
+
+
+def test_tiny_bf16_llama_with_the_kernels_matches_transformers_and_the_torch_ops(tmp_path,
+                                                                                  monkeypatch):
+    pair = TinyBf16Llama(tmp_path)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 17, 40, 1)]
+    steps = 8
+    tokens, logits_on = pair.greedy(pair.on, prompts, steps)
+    logits_on = torch.stack(logits_on, dim=1).float()  # [num_seqs, steps + 1, vocab]
+    # Each step's logits against transformers run over the whole sequence so far.
+    with torch.no_grad():
+        hf_logits = torch.stack([
+            pair.hf(torch.tensor([prompt + tokens[i]])).logits[0, len(prompt) - 1:].float()
+            for i, prompt in enumerate(prompts)])
+    hf_diff = (logits_on - hf_logits).abs().max().item()
+    # The same model with the torch ops in place of every kernel, fed the same tokens.
+    monkeypatch.setattr(cpu_kernels, "available_for", lambda x: False)
+    _, logits_off = pair.greedy(pair.off, prompts, steps, forced=tokens)
+    logits_off = torch.stack(logits_off, dim=1).float()
+    off_diff = (logits_on - logits_off).abs().max().item()
+    print(f"bf16 kernels vs transformers bf16: max abs logit diff {hf_diff:.3e}; vs the torch "
+          f"ops {off_diff:.3e} (logits up to {logits_on.abs().max().item():.2f})")
+    assert hf_diff < 0.1 and off_diff < 0.1
+    # Greedy choices: the torch ops and transformers pick the kernels' token at every step,
+    # except where their own top two logits tie within that noise (bf16 logits of this tiny
+    # random model are often exactly equal: one bf16 step is 1/64 here).
+    chosen = torch.tensor(tokens)  # [num_seqs, steps]
+    for name, logits, diff in (("torch ops", logits_off, off_diff), ("transformers", hf_logits,
+                                                                      hf_diff)):
+        same = logits[:, :steps].argmax(-1) == chosen
+        near_tie = top2_gap(logits[:, :steps]) <= 2 * diff
+        print(f"{name}: {int(same.sum())}/{same.numel()} greedy tokens equal, the rest near ties")
+        assert (same | near_tie).all()
+        assert same.float().mean() >= 0.9
