@@ -38,6 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--instance", default="0", help="names this process's control socket")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--timeout-keep-alive", type=float, default=65.0,
+                   help="seconds an idle HTTP connection stays open; longer than clients' own "
+                        "idle expiry (httpx: 5 s), so a client never sends on a connection the "
+                        "server is closing at that moment")
     g.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` on /v1/* (default: $PAGODA_API_KEY)")
     g.add_argument("--served-model-name", default=None,
@@ -81,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
         app = create_app(client, settings)
         server = GatewayServer(uvicorn.Config(app, host=args.host, port=args.port,
                                               access_log=False, log_level="warning",
+                                              timeout_keep_alive=args.timeout_keep_alive,
                                               timeout_graceful_shutdown=5))
 
         def status() -> tuple[str, dict]:
