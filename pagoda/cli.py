@@ -10,7 +10,7 @@ COMMANDS = {
     "serve": ("ops.serve_cli", "run the whole stack of docker-compose.yml as local processes"),
     "health": ("ops.health_cli", "probe a service's control socket; exit 0 when it is ready"),
     "generate": ("ops.generate_cli", "generate text for prompts with the offline engine"),
-    "bench": ("ops.bench.cli", "benchmarks: throughput (offline or through the stack), serve"),
+    "bench": ("ops.bench.cli", "benchmarks: throughput (offline or through the stack), serve, kernels"),
     "keys": ("ops.keys_cli", "create CurveZMQ keys for a stack whose services talk across hosts"),
     "engine": ("services.engine.main", "run the engine service (scheduler + step loop)"),
     "worker": ("services.worker.main", "run a worker service (model + KV cache + sampler)"),

@@ -62,6 +62,29 @@ def test_greedy_breaks_ties_toward_the_lowest_token_id_like_transformers():
     assert result.token_ids.tolist() == [1, 0]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_fast_path_equals_the_torch_path(monkeypatch, dtype):
+    """All-greedy batches without penalties or logprobs take the CPU kernel (argmax and its
+    logprob read straight from the logits); everything it returns matches the general path:
+    strided rows, ties, rows with -inf (min_tokens masking), bf16 logits."""
+    from kernels import cpu as cpu_kernels
+    g = torch.Generator().manual_seed(3)
+    wide = (torch.randn(8, 50_000, generator=g) * 4).to(dtype)
+    logits = wide[:, 100:40_100]  # rows 50,000 apart: a strided view
+    logits[1, 7] = logits[1, 12_345] = logits[1].max() + 1  # a tie: the first index wins
+    logits[2, :30_000] = float("-inf")  # a masked stretch
+    rows = [row(SamplingParams(temperature=0.0), seed=i) for i in range(8)]
+    assert cpu_kernels.available_for(logits)
+    fast = sample(logits, rows)
+    monkeypatch.setattr(cpu_kernels, "available_for", lambda x: False)
+    slow = sample(logits, rows)
+    assert fast.token_ids.tolist()[1] == 7
+    assert torch.equal(fast.token_ids, slow.token_ids)
+    # Sums of ~40k exponentials in another order: float rounding apart, no more.
+    assert (fast.logprobs - slow.logprobs).abs().max() < 5e-5
+    assert fast.top_token_ids is None and slow.top_token_ids is None
+
+
 def test_temperature_one_samples_the_softmax():
     counts = draw_counts(SamplingParams(temperature=1.0))
     assert_follows(counts, PROBS, ignored=torch.full_like(PROBS, 1 / 6))

@@ -15,7 +15,7 @@ _SIGNATURES = {
     "paged_decode": ([_P, _I64, _P, _P, _P, _I64, _P, _P, _INT, _INT, _INT, _INT, _INT, _F], _INT),
     "rms_norm": ([_P, _I64, _P, _P, _P, _I64, _INT, _F], None),
     "silu_and_mul": ([_P, _P, _I64, _INT], None),
-    "rotary": ([_P, _I64, _P, _P, _I64, _INT, _INT], None),
+    "rotary": ([_P, _I64, _P, _P, _I64, _INT, _INT, _I64], _INT),
     "greedy_sample": ([_P, _I64, _I64, _I64, _P, _P], None),
 }
 _bound: dict[tuple[str, torch.dtype], object] = {}
@@ -119,12 +119,12 @@ def rotary_(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> 
     assert positions.dtype == torch.int64 and cos_sin.dtype == x.dtype
     assert cos_sin.shape[1:] == (2, head_dim) and positions.shape == (tokens,)
     positions = positions.contiguous()
-    # The kernel indexes the table unchecked; torch's index_select would raise here.
-    if tokens and not (0 <= int(positions.min()) and int(positions.max()) < cos_sin.shape[0]):
+    rc = _function("rotary", x.dtype)(x.data_ptr(), x.stride(0), positions.data_ptr(),
+                                      cos_sin.data_ptr(), tokens, heads, head_dim,
+                                      cos_sin.shape[0])
+    if rc != 0:  # checked before anything is written, as torch's index_select would
         raise IndexError(f"rotary positions must lie in [0, {cos_sin.shape[0]}), got "
                          f"{positions.min().item()}..{positions.max().item()}")
-    _function("rotary", x.dtype)(x.data_ptr(), x.stride(0), positions.data_ptr(),
-                                 cos_sin.data_ptr(), tokens, heads, head_dim)
     return x
 
 

@@ -8,6 +8,8 @@ None and callers keep the torch ops; the reason is logged once.
 import ctypes
 import hashlib
 import os
+import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -33,37 +35,43 @@ def cache_dir() -> str:
 
 
 def _cpu_signature() -> str:
-    """What -march=native depends on: the CPU model and its feature flags."""
+    """What -march=native depends on: the architecture and the first processor's whole
+    /proc/cpuinfo entry (model and feature flags, whatever the architecture names them)."""
     try:
         with open("/proc/cpuinfo") as f:
-            lines = [line for line in f if line.startswith(("model name", "flags"))][:2]
-        return "".join(lines)
+            first = f.read().split("\n\n")[0]
     except OSError:
-        return ""
+        first = ""
+    lines = (line for line in first.splitlines()
+             if not line.startswith(("cpu MHz", "bogomips", "BogoMIPS")))  # vary between reads
+    return platform.machine() + "\n" + "\n".join(lines)
 
 
-def _library_path(compiler: str) -> str:
+def _library_path(compiler: list[str]) -> str:
     here = os.path.dirname(os.path.abspath(__file__))
     digest = hashlib.sha256()
     for name in SOURCES + HEADERS:
         with open(os.path.join(here, name), "rb") as f:
             digest.update(f.read())
-    digest.update(" ".join([compiler, *FLAGS]).encode())
+    digest.update(" ".join([*compiler, *FLAGS]).encode())
     digest.update(_cpu_signature().encode())
     return os.path.join(cache_dir(), f"pagoda_cpu_kernels_{digest.hexdigest()[:16]}.so")
 
 
-def _compile(compiler: str, path: str) -> None:
+def _compile(compiler: list[str], path: str) -> None:
     here = os.path.dirname(os.path.abspath(__file__))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     # Build beside the target and rename: processes starting together never load half a file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
     os.close(fd)
     try:
-        cmd = [compiler, *FLAGS, *(os.path.join(here, s) for s in SOURCES), "-o", tmp, "-lm"]
+        cmd = [*compiler, *FLAGS, *(os.path.join(here, s) for s in SOURCES), "-o", tmp, "-lm"]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if result.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-2000:]}")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o755 & ~umask)  # mkstemp's 0600 would keep other users of a cache out
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -80,16 +88,19 @@ def load() -> ctypes.CDLL | None:
         try:
             if os.environ.get("PAGODA_CPU_KERNELS", "1") == "0":
                 raise RuntimeError("turned off by PAGODA_CPU_KERNELS=0")
-            if compiler is None:
+            if not compiler:
                 raise RuntimeError("no C compiler (cc/gcc) on PATH")
+            compiler = shlex.split(compiler)  # CC may be "ccache gcc"
             path = _library_path(compiler)
-            if not os.path.exists(path):
-                log.info("building cpu kernels", compiler=compiler, path=path)
-                _compile(compiler, path)
             # torch is imported first, so its OpenMP runtime (libgomp.so.1) is already loaded
             # and the library binds to it rather than to a second copy.
             import torch  # noqa: F401
-            _lib = ctypes.CDLL(path)
+            try:
+                _lib = ctypes.CDLL(path)
+            except OSError:  # not built yet, or a cached build that does not load here
+                log.info("building cpu kernels", compiler=" ".join(compiler), path=path)
+                _compile(compiler, path)
+                _lib = ctypes.CDLL(path)
         except Exception as e:  # any failure leaves the torch reference ops in charge
             _failed = str(e)
             log.warning("cpu kernels unavailable, using the torch reference ops", error=_failed)

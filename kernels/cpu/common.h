@@ -5,6 +5,10 @@
 #include <math.h>
 #include <stdint.h>
 
+/* Element-wise loops go parallel only above this many elements (torch's own grain size): below
+ * it, waking the other threads costs more than the work, and far more when they are descheduled. */
+#define PARALLEL_GRAIN 32768
+
 static inline float f32_id(float x) { return x; }
 
 static inline float bf16_to_float(uint16_t x) {

@@ -14,7 +14,7 @@
  * the sum is normalised (vLLM's fused_add_rms_norm). x may alias out. */                       \
 void NAME(const T *x, int64_t x_stride, T *residual, const T *weight, T *out, int64_t rows,    \
           int cols, float eps) {                                                                \
-    _Pragma("omp parallel for schedule(static)")                                                \
+    _Pragma("omp parallel for schedule(static) if(rows * cols >= PARALLEL_GRAIN)")              \
     for (int64_t r = 0; r < rows; r++) {                                                        \
         const T *xr = x + r * x_stride;                                                         \
         T *res = residual ? residual + r * (int64_t)cols : 0;                                   \
@@ -44,7 +44,7 @@ void NAME(const T *x, int64_t x_stride, T *residual, const T *weight, T *out, in
 /* x [rows, 2 * cols] = [gate | up] -> out [rows, cols] = silu(gate) * up; silu rounded to T    \
  * before the product, as torch computes silu(gate) * up in T. */                              \
 void NAME(const T *x, T *out, int64_t rows, int cols) {                                         \
-    _Pragma("omp parallel for schedule(static)")                                                \
+    _Pragma("omp parallel for schedule(static) if(rows * cols >= PARALLEL_GRAIN)")              \
     for (int64_t r = 0; r < rows; r++) {                                                        \
         const T *gate = x + r * 2 * (int64_t)cols, *up = gate + cols;                           \
         T *o = out + r * (int64_t)cols;                                                         \
@@ -61,10 +61,12 @@ void NAME(const T *x, T *out, int64_t rows, int cols) {                         
 /* In place on x [tokens, heads, head_dim] (rows `x_stride` apart, heads contiguous):           \
  * x = x * cos + rotate_half(x) * sin, with cos_sin [max_positions, 2, head_dim] holding         \
  * [cos, cos] and [-sin, sin] (the Hugging Face / GPT-NeoX halves layout). */                    \
-void NAME(T *x, int64_t x_stride, const int64_t *positions, const T *cos_sin, int64_t tokens,   \
-          int heads, int head_dim) {                                                            \
+int NAME(T *x, int64_t x_stride, const int64_t *positions, const T *cos_sin, int64_t tokens,    \
+         int heads, int head_dim, int64_t max_positions) {                                      \
+    for (int64_t t = 0; t < tokens; t++) /* the table is indexed unchecked below */              \
+        if (positions[t] < 0 || positions[t] >= max_positions) return -1;                       \
     const int half = head_dim / 2;                                                              \
-    _Pragma("omp parallel for schedule(static)")                                                \
+    _Pragma("omp parallel for schedule(static) if(tokens * heads * head_dim >= PARALLEL_GRAIN)")\
     for (int64_t t = 0; t < tokens; t++) {                                                      \
         const T *cos = cos_sin + positions[t] * 2 * (int64_t)head_dim, *sin = cos + head_dim;   \
         for (int h = 0; h < heads; h++) {                                                       \
@@ -78,6 +80,7 @@ void NAME(T *x, int64_t x_stride, const int64_t *positions, const T *cos_sin, in
             }                                                                                   \
         }                                                                                       \
     }                                                                                           \
+    return 0;                                                                                   \
 }
 
 DEFINE_RMS_NORM(rms_norm_f32, float, f32_id, f32_id)

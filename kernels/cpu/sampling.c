@@ -10,7 +10,7 @@
 #define DEFINE_GREEDY(NAME, T, TO_F)                                                             \
 void NAME(const T *logits, int64_t stride, int64_t rows, int64_t vocab, int64_t *token_ids,     \
           float *logprobs) {                                                                    \
-    _Pragma("omp parallel for schedule(static)")                                                \
+    _Pragma("omp parallel for schedule(static) if(rows * vocab >= PARALLEL_GRAIN)")            \
     for (int64_t r = 0; r < rows; r++) {                                                        \
         const T *x = logits + r * stride;                                                       \
         float max = -INFINITY;                                                                  \

@@ -1,12 +1,13 @@
-"""`pagoda bench throughput | serve`."""
+"""`pagoda bench throughput | serve | kernels`."""
 import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench", required=True)
-    from ops.bench import serve, throughput
+    from ops.bench import kernels, serve, throughput
     throughput.add_arguments(sub.add_parser("throughput", help=throughput.__doc__.split("\n")[0]))
     serve.add_arguments(sub.add_parser("serve", help=serve.__doc__.split("\n")[0]))
+    kernels.add_arguments(sub.add_parser("kernels", help=kernels.__doc__.split("\n")[0]))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -16,4 +17,7 @@ def run(args: argparse.Namespace) -> int:
     if args.bench == "serve":
         from ops.bench import serve
         return serve.run(args)
+    if args.bench == "kernels":
+        from ops.bench import kernels
+        return kernels.run(args)
     raise SystemExit(f"unknown benchmark {args.bench}")

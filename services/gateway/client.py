@@ -18,6 +18,7 @@ Faults it rides out or reports:
 import asyncio
 import contextlib
 import contextvars
+import functools
 import os
 import time
 import uuid
@@ -181,8 +182,8 @@ class AsyncEngineClient:
 
     async def health(self, timeout_s: float = 1.0):
         """The engine's HealthResponse (with its counts of live peers), or None if it is down."""
-        return await asyncio.to_thread(probe_health, self.stack.engine_control, timeout_s,
-                                       None, self.curve)
+        return await asyncio.to_thread(functools.partial(
+            probe_health, self.stack.engine_control, timeout_s, curve=self.curve))
 
     def close(self) -> None:
         self.closed = True

@@ -221,6 +221,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(hf_config, attn_backend, dtype)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.lm_head_packed: torch.Tensor | None = None  # a tied head's packed copy
+        self.packed = False  # weights prepared by `pack_weights`; loading is over then
         if not self.tie_word_embeddings:
             self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, False, dtype)
         attn = self.model.layers[0].self_attn
@@ -248,22 +249,21 @@ class LlamaForCausalLM(nn.Module):
         return linear(hidden_states, self.model.embed_tokens.weight, None, self.lm_head_packed)
 
     def pack_weights(self) -> None:
-        """After loading: prepare every matmul weight for the device's fastest kernel."""
-        for module in self.modules():
+        """After loading: prepare every matmul weight for the device's fastest kernel. The head
+        is the largest matmul and is packed in fp32 too (a copy of the embedding, when tied)."""
+        head_dtypes = (torch.bfloat16, torch.float32)
+        for name, module in self.named_modules():
             if isinstance(module, Linear):
-                module.pack()
-        head = (self.model.embed_tokens.weight if self.tie_word_embeddings
-                else self.lm_head.weight)
-        # The head is the largest matmul: packed in fp32 too (a copy when tied to the embedding).
-        packed = pack_weight(head, (torch.bfloat16, torch.float32))
+                module.pack(head_dtypes if name == "lm_head" else (torch.bfloat16,))
         if self.tie_word_embeddings:
-            self.lm_head_packed = packed
-        else:
-            self.lm_head.packed = packed
+            self.lm_head_packed = pack_weight(self.model.embed_tokens.weight, head_dtypes)
+        self.packed = True
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face named tensors into the model; every parameter must be filled."""
+        if self.packed:
+            raise RuntimeError("load_weights after pack_weights: the packed copies would be stale")
         params = dict(self.named_parameters())
         # What must be loaded: whole parameters, and each slice of a fused one.
         expected = set()
