@@ -275,46 +275,6 @@ def test_rms_norm_of_non_contiguous_rows(dtype):
                                rtol=0)
 
 
-# --- silu_and_mul ------------------------------------------------------------------------------
-
-def gate_up(rows, inter, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(rows, 2 * inter, generator=g) * 4).to(dtype)
-
-
-def test_silu_and_mul_fp32_matches_torch():
-    x = gate_up(17, 352, torch.float32)
-    x[0, :6] = torch.tensor([100.0, -100.0, 30.0, -30.0, 88.5, -88.5])  # gates far from 0
-    gate, up = x.chunk(2, dim=-1)
-    out = cpu_kernels.silu_and_mul(x)
-    torch.testing.assert_close(out, F.silu(gate) * up, atol=1e-6, rtol=1e-6)
-
-
-def test_silu_and_mul_bf16_is_within_one_ulp_of_torch():
-    x = gate_up(17, 352, torch.bfloat16)
-    gate, up = x.chunk(2, dim=-1)
-    out = cpu_kernels.silu_and_mul(x)
-    ulps = bf16_ulps(out, F.silu(gate) * up)  # torch: silu rounded to bf16, then the product
-    assert ulps.max() <= 1 and (ulps == 0).float().mean() > 0.99
-    # silu alone (up = 1): the activation is rounded once, as torch rounds it.
-    ones = torch.cat((gate, torch.ones_like(up)), dim=-1)
-    assert bf16_ulps(cpu_kernels.silu_and_mul(ones), F.silu(gate)).max() <= 1
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_of_large_gates_is_finite_and_exact(dtype):
-    gate = torch.tensor([[100.0, -100.0, 1000.0, -1000.0, 1e38, -1e38]], dtype=dtype)
-    up = torch.full_like(gate, 2.0)
-    out = cpu_kernels.silu_and_mul(torch.cat((gate, up), dim=-1))[0]
-    assert torch.isfinite(out).all()
-    assert out[0] == 200.0 and out[2] == 2000.0 and out[4] == gate[0, 4] * 2
-    assert (out[1::2] == 0).all()  # -0 (torch: silu(-100) = -3.7e-42 in fp32, 0 in bf16)
-    # The infinities go where torch's go: silu(inf) = inf, silu(-inf) = -inf * 0 = nan.
-    edge = torch.tensor([[float("inf"), float("-inf"), float("nan"), 1.0, 1.0, 1.0]], dtype=dtype)
-    gate, up = edge.chunk(2, dim=-1)
-    torch.testing.assert_close(cpu_kernels.silu_and_mul(edge), F.silu(gate) * up, equal_nan=True)
-
-
 # --- rotary --------------------------------------------------------------------------------------
 
 def torch_rotary(x, positions, cos_sin, half):

@@ -14,7 +14,6 @@ _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_flo
 _SIGNATURES = {
     "paged_decode": ([_P, _I64, _P, _P, _P, _I64, _P, _P, _INT, _INT, _INT, _INT, _INT, _F], _INT),
     "rms_norm": ([_P, _I64, _P, _P, _P, _I64, _INT, _F], None),
-    "silu_and_mul": ([_P, _P, _I64, _INT], None),
     "rotary": ([_P, _I64, _P, _P, _I64, _INT, _INT, _I64], _INT),
     "greedy_sample": ([_P, _I64, _I64, _I64, _P, _P], None),
 }
@@ -98,16 +97,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     _function("rms_norm", x.dtype)(
         x.data_ptr(), x.stride(0), residual.data_ptr() if residual is not None else None,
         weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
-    return out
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [T, 2 * inter] = [gate | up] -> silu(gate) * up [T, inter]."""
-    assert x.dim() == 2
-    x = x.contiguous()
-    rows, cols = x.shape[0], x.shape[1] // 2
-    out = torch.empty(rows, cols, dtype=x.dtype)
-    _function("silu_and_mul", x.dtype)(x.data_ptr(), out.data_ptr(), rows, cols)
     return out
 
 

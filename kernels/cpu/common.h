@@ -28,7 +28,7 @@ static inline uint16_t float_to_bf16(float f) {
 /* exp written so that the compiler vectorises the loops that call it (libm's expf is a scalar
  * call): x = k ln2 + r, exp(r) by a degree-6 polynomial, 2^k from the exponent bits. Relative
  * error ~2e-7 over [-87, 88]; below that range 0, above it +inf (as expf, near enough), so that
- * silu(-1e38) is -0 and exp(-inf) is 0 rather than e^-87 or e^88 standing in for them. */
+ * exp(-inf) is exactly 0 (a softmax's first rescaling) rather than e^-87. */
 static inline float exp_approx(float x) {
     const float in = x;
     x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);

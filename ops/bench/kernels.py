@@ -64,7 +64,6 @@ def _cases(hf, dtype: torch.dtype, batch: int, context: int, block_size: int) ->
 
     # Element-wise ops, as a step calls them.
     x, res, w = randn(batch, hidden), randn(batch, hidden), randn(hidden)
-    gate_up = randn(batch, 2 * inter)
     qk = randn(batch, heads + kv_heads, head_dim)
     cos_sin = randn(4096, 2, head_dim)
     positions = torch.full((batch,), context - 1)
@@ -77,15 +76,6 @@ def _cases(hf, dtype: torch.dtype, batch: int, context: int, block_size: int) ->
     def kernel_norms():
         for _ in range(2 * layers):
             cpu.rms_norm(x, w, 1e-5, res.clone())
-
-    def torch_mlp_act():
-        for _ in range(layers):
-            gate, up = gate_up.chunk(2, dim=-1)
-            F.silu(gate) * up
-
-    def kernel_mlp_act():
-        for _ in range(layers):
-            cpu.silu_and_mul(gate_up)
 
     def torch_rotary():
         for _ in range(layers):
@@ -134,7 +124,6 @@ def _cases(hf, dtype: torch.dtype, batch: int, context: int, block_size: int) ->
         "decode attention": (attention(paged_decode_attention),
                              attention(cpu.paged_decode_attention)),
         "residual + RMSNorm": (torch_norms, kernel_norms),
-        "SiLU and mul": (torch_mlp_act, kernel_mlp_act),
         "rotary": (torch_rotary, kernel_rotary),
         "matmuls (layers + LM head)": (torch_matmuls, kernel_matmuls),
         "greedy sampling": (torch_greedy, lambda: cpu.greedy_sample(logits)),

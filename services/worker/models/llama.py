@@ -153,10 +153,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
-        if cpu_kernels.available_for(gate_up):
-            return self.down_proj(cpu_kernels.silu_and_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
+        # torch's two vectorised ops here are as fast as a fused C loop (pagoda bench kernels).
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, intermediate] each
         return self.down_proj(F.silu(gate) * up)
 
 
