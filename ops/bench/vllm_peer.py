@@ -1,0 +1,34 @@
+"""The throughput workload on vLLM's offline `LLM`, run by vLLM's own Python (its own venv).
+
+`pagoda bench throughput --baseline vllm --vllm-python VENV/bin/python` starts this file with
+that interpreter, writes the job as JSON on its stdin and reads the result as the last line of
+its stdout. It imports nothing of pagoda's, so it runs wherever vLLM is installed.
+"""
+import json
+import sys
+import time
+
+
+def main() -> None:
+    job = json.load(sys.stdin)
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    t0 = time.perf_counter()
+    llm = LLM(model=job["model"], dtype=job["dtype"], seed=0,
+              max_model_len=job["max_model_len"], max_num_seqs=job["max_num_seqs"])
+    startup = time.perf_counter() - t0
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
+    params = SamplingParams(max_tokens=job["output_len"], ignore_eos=True, temperature=0.0)
+    llm.generate(prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    n_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    import vllm
+    print(json.dumps({"startup_s": startup, "elapsed_s": elapsed, "output_tokens": n_out,
+                      "version": vllm.__version__}))
+
+
+if __name__ == "__main__":
+    main()
