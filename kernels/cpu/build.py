@@ -81,6 +81,8 @@ def _compile(compiler: list[str], path: str) -> None:
 def load() -> ctypes.CDLL | None:
     """The compiled kernels, building them if needed; None when they cannot be built here."""
     global _lib, _failed
+    if _lib is not None or _failed is not None:  # decided: no lock on the per-op path
+        return _lib
     with _lock:
         if _lib is not None or _failed is not None:
             return _lib
