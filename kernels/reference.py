@@ -85,11 +85,14 @@ def causal_prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torc
     query_start_loc [num_seqs + 1] -> [T, num_heads, head_dim]."""
     num_tokens = query.shape[0]
     num_seqs = query_start_loc.shape[0] - 1
-    if num_seqs == 1:
-        out = F.scaled_dot_product_attention(query.transpose(0, 1), key.transpose(0, 1),
-                                             value.transpose(0, 1), is_causal=True, scale=scale,
-                                             enable_gqa=True)
-        return out.transpose(0, 1)
+    if num_seqs * max_query_len == num_tokens:
+        # Prompts of one length (one prompt, or a batch of equal ones): [num_seqs, len, ...]
+        # views of the flat tensors, no padded copies.
+        def split(x):
+            return x.view(num_seqs, max_query_len, *x.shape[1:]).transpose(1, 2)
+        out = F.scaled_dot_product_attention(split(query), split(key), split(value),
+                                             is_causal=True, scale=scale, enable_gqa=True)
+        return out.transpose(1, 2).reshape(query.shape)
     pad_index = _pad_index(query_start_loc, num_tokens, max_query_len)
     q = _to_padded(query, pad_index, num_seqs, max_query_len)
     k = _to_padded(key, pad_index, num_seqs, max_query_len)

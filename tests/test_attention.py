@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from services.worker.attention.torch_backend import TorchAttentionBackend, padding_pays
+from services.worker.attention.torch_backend import (TorchAttentionBackend, padding_pays,
+                                                     prefill_calls)
 from tests.helpers import PagedBatchPlanner, PagedSequence, profile_metadata
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 6, 2, 16
@@ -72,6 +73,26 @@ def test_prompts_of_different_lengths_match_dense_attention(block_size, layout):
     diff = bench.run_step([(s, len(s.token_ids)) for s in seqs], [])
     print(f"prompts ({layout}), block {block_size}: max abs diff {diff:.2e}")
     assert diff < 1e-5
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_prompts_of_one_length_match_dense_attention(block_size):
+    # The flat tensors are viewed as a batch, with no padded copy.
+    bench = Bench(block_size)
+    seqs = [bench.sequence(11) for _ in range(5)]
+    diff = bench.run_step([(s, 11) for s in seqs], [])
+    assert diff < 1e-5
+
+
+def test_chunks_over_a_cache_and_whole_prompts_never_share_a_call():
+    # A prompt's second chunk (cached prefix of 20) first, then three whole prompts.
+    query_lens, seq_lens = [8, 12, 10, 12], [28, 12, 10, 12]
+    assert prefill_calls(query_lens, seq_lens, cached=True) == [(0, 1, False), (1, 4, True)]
+    # No cache (the profile run): everything is a whole prompt.
+    assert prefill_calls(query_lens, query_lens, cached=False) == [(0, 4, True)]
+    # A long prompt among short ones: a call per sequence within the run.
+    assert prefill_calls([1, 7, 33, 20], [1, 7, 33, 20], cached=True) == [
+        (0, 1, True), (1, 2, True), (2, 3, True), (3, 4, True)]
 
 
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)

@@ -18,6 +18,30 @@ def padding_pays(query_lens: list[int], seq_lens: list[int]) -> bool:
     return padded <= 2 * exact
 
 
+def prefill_calls(query_lens: list[int], seq_lens: list[int],
+                  cached: bool) -> list[tuple[int, int, bool]]:
+    """How a step's prefills [0, n) are split into attention calls: (first, last, whole) for
+    sequences first..last-1. Whole prompts (nothing cached before them, or no cache at all)
+    attend to the step's own K/V; chunks after a cached prefix read the cache, which costs a
+    gather, so the two kinds never share a call (a chunked prompt's second part beside fresh
+    prompts is the common mixed step). Each run of one kind is one padded call if padding pays,
+    else a call per sequence."""
+    calls = []
+    first = 0
+    while first < len(query_lens):
+        whole = not cached or query_lens[first] == seq_lens[first]
+        last = first + 1
+        while last < len(query_lens) and (
+                not cached or query_lens[last] == seq_lens[last]) == whole:
+            last += 1
+        if padding_pays(query_lens[first:last], seq_lens[first:last]):
+            calls.append((first, last, whole))
+        else:
+            calls.extend((s, s + 1, whole) for s in range(first, last))
+        first = last
+    return calls
+
+
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
@@ -56,17 +80,13 @@ class TorchAttentionBackend(AttentionBackend):
         num_prefills = meta.num_prefills
         query_lens = meta.query_lens_list[:num_prefills]
         seq_lens = meta.seq_lens_list[:num_prefills]
-        if padding_pays(query_lens, seq_lens):
-            groups = [(0, num_prefills)]
-        else:
-            groups = [(s, s + 1) for s in range(num_prefills)]
         starts = list(itertools.accumulate(query_lens, initial=0))
         outs = []
-        for first, last in groups:
+        for first, last, whole in prefill_calls(query_lens, seq_lens, k_cache is not None):
             t0, t1 = starts[first], starts[last]
             query_start_loc = meta.query_start_loc[first:last + 1] - t0
             max_query_len = max(query_lens[first:last])
-            if k_cache is None or query_lens[first:last] == seq_lens[first:last]:
+            if whole:
                 # Whole prompts: the step's own K/V are all they attend to, no cache gather.
                 outs.append(causal_prefill_attention(q[t0:t1], k[t0:t1], v[t0:t1],
                                                      query_start_loc, max_query_len, scale))
