@@ -106,9 +106,21 @@ ATTENTION_CASES = [
 CASE_IDS = [f"kv{kv}-g{g}-d{d}-b{b}" for kv, g, d, b, _ in ATTENTION_CASES]
 
 
+# Decode attention's two paths: the AVX-512 one (head_dim 64/128, up to 8 heads per KV head)
+# where this machine has it, and the portable loop, which runs every other case.
+ATTENTION_PATHS = ["portable"] + (["avx512"] if cpu_kernels.attention_simd_available() else [])
+
+
+@pytest.fixture(params=ATTENTION_PATHS)
+def attention_path(request):
+    cpu_kernels.set_attention_simd(request.param == "avx512")
+    yield request.param
+    cpu_kernels.set_attention_simd(True)
+
+
 @pytest.mark.parametrize("strided_query", [True, False], ids=["strided_q", "contiguous_q"])
 @pytest.mark.parametrize("case", ATTENTION_CASES, ids=CASE_IDS)
-def test_paged_decode_attention_fp32_equals_the_reference(case, strided_query):
+def test_paged_decode_attention_fp32_equals_the_reference(case, strided_query, attention_path):
     num_kv_heads, group, head_dim, block_size, lens = case
     c = PagedCase(lens, num_kv_heads, group, head_dim, block_size, torch.float32, strided_query)
     out = cpu_kernels.paged_decode_attention(*c.args())
@@ -118,7 +130,7 @@ def test_paged_decode_attention_fp32_equals_the_reference(case, strided_query):
 
 
 @pytest.mark.parametrize("case", ATTENTION_CASES, ids=CASE_IDS)
-def test_paged_decode_attention_bf16_equals_the_reference_to_bf16_rounding(case):
+def test_paged_decode_attention_bf16_equals_the_reference_to_bf16_rounding(case, attention_path):
     num_kv_heads, group, head_dim, block_size, lens = case
     c = PagedCase(lens, num_kv_heads, group, head_dim, block_size, torch.bfloat16)
     out = cpu_kernels.paged_decode_attention(*c.args())
@@ -133,7 +145,7 @@ def test_paged_decode_attention_bf16_equals_the_reference_to_bf16_rounding(case)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_decode_attention_reads_only_each_sequences_own_tokens(dtype):
+def test_paged_decode_attention_reads_only_each_sequences_own_tokens(dtype, attention_path):
     """NaN in every slot no sequence owns (the tail of each last block, the unused blocks, block
     0 that pads the tables) leaves the output finite and unchanged."""
     c = PagedCase([1, 17, 40, 16], 2, 4, 64, 16, dtype)
@@ -147,7 +159,7 @@ def test_paged_decode_attention_reads_only_each_sequences_own_tokens(dtype):
     assert torch.equal(out, expected)
 
 
-def test_paged_decode_attention_addresses_a_cache_past_2_to_the_31_elements():
+def test_paged_decode_attention_addresses_a_cache_past_2_to_the_31_elements(attention_path):
     """Block ids whose element offset does not fit in 32 bits. The cache is left uninitialised
     (untouched pages cost no memory); only the blocks the sequences use are written."""
     block_size, head_dim = 16, 64

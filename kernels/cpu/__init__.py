@@ -32,6 +32,20 @@ def _function(name: str, dtype: torch.dtype):
     return fn
 
 
+def attention_simd_available() -> bool:
+    """Whether decode attention has its AVX-512 path here (built with AVX-512 for this CPU)."""
+    lib = load()
+    return lib is not None and bool(lib.attention_simd_available())
+
+
+def set_attention_simd(on: bool) -> None:
+    """Use (default) or bypass the AVX-512 decode attention, for comparing it with the portable
+    loop on one machine. Process-wide."""
+    lib = load()
+    if lib is not None:
+        lib.set_attention_simd(int(on))
+
+
 def available_for(x: torch.Tensor) -> bool:
     """Whether the element-wise kernels run on this tensor (CPU, float32/bfloat16, built)."""
     return x.device.type == "cpu" and x.dtype in _SUFFIX and load() is not None

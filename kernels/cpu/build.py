@@ -19,8 +19,8 @@ from shared.logging import get_logger
 
 log = get_logger("kernels")
 
-SOURCES = ("paged_attention.c", "layer_ops.c", "sampling.c")
-HEADERS = ("common.h",)
+SOURCES = ("paged_attention.c", "paged_attention_avx512.c", "layer_ops.c", "sampling.c")
+HEADERS = ("common.h", "paged_attention.h")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
 
 _lock = threading.Lock()

@@ -22,6 +22,7 @@
 #include <omp.h>
 
 #include "common.h"
+#include "paged_attention.h"
 
 #define MAX_HEADS 16    /* query heads per work item (so per KV head, at most) */
 #define MAX_HEAD_DIM 256
@@ -126,7 +127,7 @@ static inline __attribute__((always_inline)) void NAME(                         
     }                                                                                           \
 }
 
-#define DEFINE_PAGED_DECODE(NAME, ITEM, T)                                                       \
+#define DEFINE_PAGED_DECODE(NAME, ITEM, SIMD, T)                                                 \
 int NAME(const T *query, int64_t q_stride, const T *key_cache, const T *value_cache,            \
          const int64_t *block_tables, int64_t bt_stride, const int64_t *seq_lens, T *out,       \
          int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,           \
@@ -135,6 +136,9 @@ int NAME(const T *query, int64_t q_stride, const T *key_cache, const T *value_ca
     if (group > MAX_HEADS || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK ||               \
         group * num_kv_heads != num_heads)                                                      \
         return -1;                                                                              \
+    if (SIMD(query, q_stride, key_cache, value_cache, block_tables, bt_stride, seq_lens, out,    \
+             num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale) == 0)              \
+        return 0;                                                                               \
     const int64_t token_stride = (int64_t)num_kv_heads * head_dim;                             \
     const int64_t block_stride = (int64_t)block_size * token_stride;                           \
     /* As many KV heads per item as fit MAX_HEADS query heads (a divisor of num_kv_heads),     \
@@ -166,5 +170,5 @@ int NAME(const T *query, int64_t q_stride, const T *key_cache, const T *value_ca
 
 DEFINE_DECODE_ITEM(decode_item_f32, float, load_f32, store_f32)
 DEFINE_DECODE_ITEM(decode_item_bf16, uint16_t, load_bf16, store_bf16)
-DEFINE_PAGED_DECODE(paged_decode_f32, decode_item_f32, float)
-DEFINE_PAGED_DECODE(paged_decode_bf16, decode_item_bf16, uint16_t)
+DEFINE_PAGED_DECODE(paged_decode_f32, decode_item_f32, paged_decode_simd_f32, float)
+DEFINE_PAGED_DECODE(paged_decode_bf16, decode_item_bf16, paged_decode_simd_bf16, uint16_t)

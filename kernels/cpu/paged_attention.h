@@ -1,0 +1,24 @@
+/* The AVX-512 decode attention (paged_attention_avx512.c), tried first by paged_attention.c. */
+#ifndef PAGODA_CPU_PAGED_ATTENTION_H
+#define PAGODA_CPU_PAGED_ATTENTION_H
+
+#include <stdint.h>
+
+/* 0 when done; -1 when it does not run these shapes here (the caller runs the portable loop). */
+int paged_decode_simd_f32(const float *query, int64_t q_stride, const float *key_cache,
+                          const float *value_cache, const int64_t *block_tables,
+                          int64_t bt_stride, const int64_t *seq_lens, float *out, int num_seqs,
+                          int num_heads, int num_kv_heads, int head_dim, int block_size,
+                          float scale);
+int paged_decode_simd_bf16(const uint16_t *query, int64_t q_stride, const uint16_t *key_cache,
+                           const uint16_t *value_cache, const int64_t *block_tables,
+                           int64_t bt_stride, const int64_t *seq_lens, uint16_t *out,
+                           int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                           int block_size, float scale);
+
+/* Whether the library was built with the AVX-512 path; set_attention_simd(0) turns it off (tests
+ * compare both paths on one machine). */
+int attention_simd_available(void);
+void set_attention_simd(int on);
+
+#endif

@@ -1,0 +1,248 @@
+/* Paged decode attention with AVX-512: the fast path of paged_attention.c for head_dim 64 and
+ * 128 and up to 8 query heads per KV head (what Llama-family models use). Same inputs, same
+ * result up to float rounding order; the portable loop in paged_attention.c runs everywhere
+ * else, and when this file is built without AVX-512.
+ *
+ * Why it is faster than the portable loop: the portable loop reduces every (token, head) dot
+ * product to a scalar on its own, which costs more than the multiply-adds, and keeps its
+ * accumulators in memory. Here a tile of 16 tokens is scored at once: each token's partial
+ * products stay a vector, and one transposing reduction turns 16 of them into one vector of 16
+ * scores (45 instructions instead of ~160), so softmax also runs on vectors. The query heads
+ * and output accumulators of one KV head stay in registers for the whole sequence.
+ *
+ * A work item is one sequence and one KV head; a KV head's rows of a block are read once for
+ * all the query heads that share it.
+ */
+#include <stdint.h>
+
+#include "common.h"
+#include "paged_attention.h"
+
+int pagoda_attention_simd = 1;
+
+void set_attention_simd(int on) { pagoda_attention_simd = on; }
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+#define TILE 16
+
+static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
+
+static inline __m512 load16_bf16(const uint16_t *p) {
+    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline void store16_f32(float *dst, __m512 x) { _mm512_storeu_ps(dst, x); }
+
+static inline void store16_bf16(uint16_t *dst, __m512 x) {
+    float tmp[TILE];
+    _mm512_storeu_ps(tmp, x);
+    for (int i = 0; i < TILE; i++) dst[i] = float_to_bf16(tmp[i]);
+}
+
+/* v[0..15] -> one vector whose lane t is the sum of v[t]'s 16 lanes. */
+static inline __m512 sum_lanes16(const __m512 *v) {
+    __m512 w[8], x[4];
+    for (int i = 0; i < 8; i++)  /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
+        w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int j = 0; j < 4; j++)  /* per 128-bit lane: tokens 4j..4j+3, one lane's share */
+        x[j] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * j], w[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(w[2 * j], w[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 y0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 y1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y0, y1, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(y0, y1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* exp_approx (common.h) on 16 lanes: the same range reduction and polynomial, 2^k by scalef. */
+static inline __m512 exp16(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.0f);
+    const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    const __m512 c = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(88.0f));
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(c, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), c);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    const __m512 y = _mm512_maskz_mov_ps((__mmask16)~under, _mm512_scalef_ps(p, k));
+    return _mm512_mask_mov_ps(y, nan, x);
+}
+
+/* One sequence, one KV head: its G query heads (ND vectors of 16 each) against `len` cached
+ * tokens. Expanded once per (G, ND) so that the loops over them unroll and q / acc live in
+ * registers. */
+#define DEFINE_SIMD_ITEM(NAME, T, LOAD16, STORE16, G, ND)                                        \
+static void NAME(const T *query, const T *key_cache, const T *value_cache,                      \
+                 const int64_t *table, int64_t len, T *out, int block_size,                     \
+                 int64_t token_stride, int64_t block_stride, float scale) {                     \
+    __m512 q[G][ND], acc[G][ND];                                                                \
+    float run_max[G], run_sum[G];                                                               \
+    float probs[G][TILE] __attribute__((aligned(64)));                                          \
+    for (int g = 0; g < G; g++) {                                                               \
+        for (int j = 0; j < ND; j++) {                                                          \
+            q[g][j] = _mm512_mul_ps(LOAD16(query + (g * ND + j) * TILE), _mm512_set1_ps(scale));\
+            acc[g][j] = _mm512_setzero_ps();                                                    \
+        }                                                                                       \
+        run_max[g] = -INFINITY;                                                                 \
+        run_sum[g] = 0.0f;                                                                      \
+    }                                                                                           \
+    const int row_lines = (int)((ND * TILE * sizeof(T) + 63) / 64);                             \
+    for (int64_t start = 0; start < len; start += block_size) {                                 \
+        const int in_block = (int)(len - start < block_size ? len - start : block_size);       \
+        const int64_t base = table[start / block_size] * block_stride;                          \
+        if (start + block_size < len) { /* the next block lies elsewhere: fetch it early */     \
+            const int64_t next = table[start / block_size + 1] * block_stride;                  \
+            for (int t = 0; t < block_size; t++)                                                \
+                for (int c = 0; c < row_lines; c++) {                                           \
+                    __builtin_prefetch((const char *)(key_cache + next + t * token_stride)      \
+                                       + 64 * c);                                               \
+                    __builtin_prefetch((const char *)(value_cache + next + t * token_stride)    \
+                                       + 64 * c);                                               \
+                }                                                                               \
+        }                                                                                       \
+        for (int t0 = 0; t0 < in_block; t0 += TILE) {                                           \
+            const int n = in_block - t0 < TILE ? in_block - t0 : TILE;                          \
+            const T *k_rows = key_cache + base + t0 * token_stride;                             \
+            const T *v_rows = value_cache + base + t0 * token_stride;                           \
+            /* Scores: per head, a vector of partial products per token, then one reduction. */ \
+            __m512 partial[G][TILE];                                                            \
+            for (int t = 0; t < TILE; t++) {                                                    \
+                if (t < n) {                                                                    \
+                    __m512 k[ND];                                                               \
+                    for (int j = 0; j < ND; j++) k[j] = LOAD16(k_rows + t * token_stride + j * TILE);\
+                    for (int g = 0; g < G; g++) {                                               \
+                        __m512 s = _mm512_mul_ps(q[g][0], k[0]);                                \
+                        for (int j = 1; j < ND; j++) s = _mm512_fmadd_ps(q[g][j], k[j], s);     \
+                        partial[g][t] = s;                                                      \
+                    }                                                                           \
+                } else {                                                                        \
+                    for (int g = 0; g < G; g++) partial[g][t] = _mm512_setzero_ps();            \
+                }                                                                               \
+            }                                                                                   \
+            const __mmask16 valid = (__mmask16)((1u << n) - 1u);                                \
+            for (int g = 0; g < G; g++) {                                                       \
+                const __m512 s = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY),         \
+                                                      sum_lanes16(partial[g]));                 \
+                const float tile_max = _mm512_reduce_max_ps(s);                                 \
+                const float new_max = tile_max > run_max[g] ? tile_max : run_max[g];            \
+                const float correction = exp_approx(run_max[g] - new_max);                      \
+                const __m512 p = exp16(_mm512_sub_ps(s, _mm512_set1_ps(new_max)));              \
+                run_max[g] = new_max;                                                           \
+                run_sum[g] = run_sum[g] * correction + _mm512_reduce_add_ps(p);                 \
+                _mm512_store_ps(probs[g], p);                                                   \
+                const __m512 corr = _mm512_set1_ps(correction);                                 \
+                for (int j = 0; j < ND; j++) acc[g][j] = _mm512_mul_ps(acc[g][j], corr);        \
+            }                                                                                   \
+            for (int t = 0; t < n; t++) {                                                       \
+                __m512 v[ND];                                                                   \
+                for (int j = 0; j < ND; j++) v[j] = LOAD16(v_rows + t * token_stride + j * TILE);\
+                for (int g = 0; g < G; g++) {                                                   \
+                    const __m512 p = _mm512_set1_ps(probs[g][t]);                               \
+                    for (int j = 0; j < ND; j++) acc[g][j] = _mm512_fmadd_ps(p, v[j], acc[g][j]);\
+                }                                                                               \
+            }                                                                                   \
+        }                                                                                       \
+    }                                                                                           \
+    for (int g = 0; g < G; g++) {                                                               \
+        const __m512 inv = _mm512_set1_ps(run_sum[g] > 0.0f ? 1.0f / run_sum[g] : 0.0f);        \
+        for (int j = 0; j < ND; j++)                                                            \
+            STORE16(out + (g * ND + j) * TILE, _mm512_mul_ps(acc[g][j], inv));                  \
+    }                                                                                           \
+}
+
+#define DEFINE_SIMD_ITEMS(T, SFX, LOAD16, STORE16)                                                \
+    DEFINE_SIMD_ITEM(item_##SFX##_g1_d4, T, LOAD16, STORE16, 1, 4)                               \
+    DEFINE_SIMD_ITEM(item_##SFX##_g2_d4, T, LOAD16, STORE16, 2, 4)                               \
+    DEFINE_SIMD_ITEM(item_##SFX##_g3_d4, T, LOAD16, STORE16, 3, 4)                               \
+    DEFINE_SIMD_ITEM(item_##SFX##_g4_d4, T, LOAD16, STORE16, 4, 4)                               \
+    DEFINE_SIMD_ITEM(item_##SFX##_g5_d4, T, LOAD16, STORE16, 5, 4)                               \
+    DEFINE_SIMD_ITEM(item_##SFX##_g6_d4, T, LOAD16, STORE16, 6, 4)                               \
+    DEFINE_SIMD_ITEM(item_##SFX##_g7_d4, T, LOAD16, STORE16, 7, 4)                               \
+    DEFINE_SIMD_ITEM(item_##SFX##_g8_d4, T, LOAD16, STORE16, 8, 4)                               \
+    DEFINE_SIMD_ITEM(item_##SFX##_g1_d8, T, LOAD16, STORE16, 1, 8)                               \
+    DEFINE_SIMD_ITEM(item_##SFX##_g2_d8, T, LOAD16, STORE16, 2, 8)                               \
+    DEFINE_SIMD_ITEM(item_##SFX##_g3_d8, T, LOAD16, STORE16, 3, 8)                               \
+    DEFINE_SIMD_ITEM(item_##SFX##_g4_d8, T, LOAD16, STORE16, 4, 8)                               \
+    DEFINE_SIMD_ITEM(item_##SFX##_g5_d8, T, LOAD16, STORE16, 5, 8)                               \
+    DEFINE_SIMD_ITEM(item_##SFX##_g6_d8, T, LOAD16, STORE16, 6, 8)                               \
+    DEFINE_SIMD_ITEM(item_##SFX##_g7_d8, T, LOAD16, STORE16, 7, 8)                               \
+    DEFINE_SIMD_ITEM(item_##SFX##_g8_d8, T, LOAD16, STORE16, 8, 8)                               \
+    typedef void (*item_##SFX##_fn)(const T *, const T *, const T *, const int64_t *, int64_t,   \
+                                    T *, int, int64_t, int64_t, float);                          \
+    static const item_##SFX##_fn items_##SFX[2][8] = {                                           \
+        {item_##SFX##_g1_d4, item_##SFX##_g2_d4, item_##SFX##_g3_d4, item_##SFX##_g4_d4,         \
+         item_##SFX##_g5_d4, item_##SFX##_g6_d4, item_##SFX##_g7_d4, item_##SFX##_g8_d4},        \
+        {item_##SFX##_g1_d8, item_##SFX##_g2_d8, item_##SFX##_g3_d8, item_##SFX##_g4_d8,         \
+         item_##SFX##_g5_d8, item_##SFX##_g6_d8, item_##SFX##_g7_d8, item_##SFX##_g8_d8}};
+
+DEFINE_SIMD_ITEMS(float, f32, load16_f32, store16_f32)
+DEFINE_SIMD_ITEMS(uint16_t, bf16, load16_bf16, store16_bf16)
+
+#define DEFINE_SIMD_DECODE(NAME, T, SFX)                                                         \
+int NAME(const T *query, int64_t q_stride, const T *key_cache, const T *value_cache,            \
+         const int64_t *block_tables, int64_t bt_stride, const int64_t *seq_lens, T *out,       \
+         int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,           \
+         float scale) {                                                                         \
+    const int group = num_heads / num_kv_heads;                                                 \
+    if (!pagoda_attention_simd || (head_dim != 64 && head_dim != 128) || group < 1 ||           \
+        group > 8)                                                                              \
+        return -1;                                                                              \
+    const item_##SFX##_fn item = items_##SFX[head_dim == 128][group - 1];                       \
+    const int64_t token_stride = (int64_t)num_kv_heads * head_dim;                             \
+    const int64_t block_stride = (int64_t)block_size * token_stride;                           \
+    const int num_items = num_seqs * num_kv_heads;                                              \
+    /* Items of one sequence are neighbours, so a thread mostly reads whole blocks. */          \
+    _Pragma("omp parallel for schedule(static)")                                                \
+    for (int i = 0; i < num_items; i++) {                                                       \
+        const int s = i / num_kv_heads, kh = i % num_kv_heads;                                  \
+        item(query + s * q_stride + (int64_t)kh * group * head_dim,                             \
+             key_cache + (int64_t)kh * head_dim, value_cache + (int64_t)kh * head_dim,          \
+             block_tables + s * bt_stride, seq_lens[s],                                         \
+             out + ((int64_t)s * num_heads + (int64_t)kh * group) * head_dim, block_size,       \
+             token_stride, block_stride, scale);                                                \
+    }                                                                                           \
+    return 0;                                                                                   \
+}
+
+DEFINE_SIMD_DECODE(paged_decode_simd_f32, float, f32)
+DEFINE_SIMD_DECODE(paged_decode_simd_bf16, uint16_t, bf16)
+
+#else /* no AVX-512: the portable loop does everything */
+
+int paged_decode_simd_f32(const float *query, int64_t q_stride, const float *key_cache,
+                          const float *value_cache, const int64_t *block_tables,
+                          int64_t bt_stride, const int64_t *seq_lens, float *out, int num_seqs,
+                          int num_heads, int num_kv_heads, int head_dim, int block_size,
+                          float scale) {
+    return -1;
+}
+
+int paged_decode_simd_bf16(const uint16_t *query, int64_t q_stride, const uint16_t *key_cache,
+                           const uint16_t *value_cache, const int64_t *block_tables,
+                           int64_t bt_stride, const int64_t *seq_lens, uint16_t *out,
+                           int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                           int block_size, float scale) {
+    return -1;
+}
+
+#endif
+
+int attention_simd_available(void) {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
