@@ -293,6 +293,13 @@ def test_bad_chat_message_is_400_naming_it(client):
     assert err.value.body["param"] == "messages[0].role"
 
 
+def test_chat_user_message_without_content_is_400_naming_it(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user"}])
+    assert err.value.body["param"] == "messages[0].content"
+    assert "content" in err.value.body["message"]
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_too_long_prompt_is_400_with_the_numbers(client, stream):
     with pytest.raises(openai.BadRequestError) as err:

@@ -10,10 +10,13 @@
  * scores (45 instructions instead of ~160), so softmax also runs on vectors. The query heads
  * and output accumulators of one KV head stay in registers for the whole sequence.
  *
- * A work item is one sequence and one KV head; a KV head's rows of a block are read once for
- * all the query heads that share it.
+ * A work item is a sequence and all its KV heads (one KV head per item when there are too few
+ * sequences to keep the threads busy): each block is read whole, in memory order, and each KV
+ * head's rows serve all the query heads that share it.
  */
 #include <stdint.h>
+
+#include <omp.h>
 
 #include "common.h"
 #include "paged_attention.h"
@@ -27,11 +30,27 @@ void set_attention_simd(int on) { pagoda_attention_simd = on; }
 
 #define TILE 16
 
-static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
-
 static inline __m512 load16_bf16(const uint16_t *p) {
     const __m256i h = _mm256_loadu_si256((const __m256i *)p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* A row of nd * 16 values (a query head or a cached key) as float vectors. (Multiplying bf16
+ * pairs with vdpbf16ps, skipping the conversion, measured no faster.) */
+static inline __attribute__((always_inline)) void row_f32(__m512 *dst, const float *src, int nd) {
+    for (int j = 0; j < nd; j++) dst[j] = _mm512_loadu_ps(src + j * TILE);
+}
+
+static inline __attribute__((always_inline)) __m512 dot16(const __m512 *q, const __m512 *k,
+                                                              int nd) {
+    __m512 s = _mm512_mul_ps(q[0], k[0]);
+    for (int j = 1; j < nd; j++) s = _mm512_fmadd_ps(q[j], k[j], s);
+    return s;
+}
+
+static inline __attribute__((always_inline)) void row_bf16(__m512 *dst, const uint16_t *src,
+                                                           int nd) {
+    for (int j = 0; j < nd; j++) dst[j] = load16_bf16(src + j * TILE);
 }
 
 static inline void store16_f32(float *dst, __m512 x) { _mm512_storeu_ps(dst, x); }
@@ -80,140 +99,162 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_mask_mov_ps(y, nan, x);
 }
 
-/* One sequence, one KV head: its G query heads (ND vectors of 16 each) against `len` cached
- * tokens. Expanded once per (G, ND) so that the loops over them unroll and q / acc live in
- * registers. */
-#define DEFINE_SIMD_ITEM(NAME, T, LOAD16, STORE16, G, ND)                                        \
-static void NAME(const T *query, const T *key_cache, const T *value_cache,                      \
-                 const int64_t *table, int64_t len, T *out, int block_size,                     \
-                 int64_t token_stride, int64_t block_stride, float scale) {                     \
-    __m512 q[G][ND], acc[G][ND];                                                                \
-    float run_max[G], run_sum[G];                                                               \
-    float probs[G][TILE] __attribute__((aligned(64)));                                          \
-    for (int g = 0; g < G; g++) {                                                               \
-        for (int j = 0; j < ND; j++) {                                                          \
-            q[g][j] = _mm512_mul_ps(LOAD16(query + (g * ND + j) * TILE), _mm512_set1_ps(scale));\
-            acc[g][j] = _mm512_setzero_ps();                                                    \
-        }                                                                                       \
-        run_max[g] = -INFINITY;                                                                 \
-        run_sum[g] = 0.0f;                                                                      \
-    }                                                                                           \
-    const int row_lines = (int)((ND * TILE * sizeof(T) + 63) / 64);                             \
-    for (int64_t start = 0; start < len; start += block_size) {                                 \
-        const int in_block = (int)(len - start < block_size ? len - start : block_size);       \
-        const int64_t base = table[start / block_size] * block_stride;                          \
-        if (start + block_size < len) { /* the next block lies elsewhere: fetch it early */     \
-            const int64_t next = table[start / block_size + 1] * block_stride;                  \
-            for (int t = 0; t < block_size; t++)                                                \
-                for (int c = 0; c < row_lines; c++) {                                           \
-                    __builtin_prefetch((const char *)(key_cache + next + t * token_stride)      \
-                                       + 64 * c);                                               \
-                    __builtin_prefetch((const char *)(value_cache + next + t * token_stride)    \
-                                       + 64 * c);                                               \
-                }                                                                               \
-        }                                                                                       \
-        for (int t0 = 0; t0 < in_block; t0 += TILE) {                                           \
-            const int n = in_block - t0 < TILE ? in_block - t0 : TILE;                          \
-            const T *k_rows = key_cache + base + t0 * token_stride;                             \
-            const T *v_rows = value_cache + base + t0 * token_stride;                           \
-            /* Scores: per head, a vector of partial products per token, then one reduction. */ \
-            __m512 partial[G][TILE];                                                            \
-            for (int t = 0; t < TILE; t++) {                                                    \
-                if (t < n) {                                                                    \
-                    __m512 k[ND];                                                               \
-                    for (int j = 0; j < ND; j++) k[j] = LOAD16(k_rows + t * token_stride + j * TILE);\
-                    for (int g = 0; g < G; g++) {                                               \
-                        __m512 s = _mm512_mul_ps(q[g][0], k[0]);                                \
-                        for (int j = 1; j < ND; j++) s = _mm512_fmadd_ps(q[g][j], k[j], s);     \
-                        partial[g][t] = s;                                                      \
-                    }                                                                           \
-                } else {                                                                        \
-                    for (int g = 0; g < G; g++) partial[g][t] = _mm512_setzero_ps();            \
-                }                                                                               \
-            }                                                                                   \
-            const __mmask16 valid = (__mmask16)((1u << n) - 1u);                                \
-            for (int g = 0; g < G; g++) {                                                       \
-                const __m512 s = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY),         \
-                                                      sum_lanes16(partial[g]));                 \
-                const float tile_max = _mm512_reduce_max_ps(s);                                 \
-                const float new_max = tile_max > run_max[g] ? tile_max : run_max[g];            \
-                const float correction = exp_approx(run_max[g] - new_max);                      \
-                const __m512 p = exp16(_mm512_sub_ps(s, _mm512_set1_ps(new_max)));              \
-                run_max[g] = new_max;                                                           \
-                run_sum[g] = run_sum[g] * correction + _mm512_reduce_add_ps(p);                 \
-                _mm512_store_ps(probs[g], p);                                                   \
-                const __m512 corr = _mm512_set1_ps(correction);                                 \
-                for (int j = 0; j < ND; j++) acc[g][j] = _mm512_mul_ps(acc[g][j], corr);        \
-            }                                                                                   \
-            for (int t = 0; t < n; t++) {                                                       \
-                __m512 v[ND];                                                                   \
-                for (int j = 0; j < ND; j++) v[j] = LOAD16(v_rows + t * token_stride + j * TILE);\
-                for (int g = 0; g < G; g++) {                                                   \
-                    const __m512 p = _mm512_set1_ps(probs[g][t]);                               \
-                    for (int j = 0; j < ND; j++) acc[g][j] = _mm512_fmadd_ps(p, v[j], acc[g][j]);\
-                }                                                                               \
-            }                                                                                   \
-        }                                                                                       \
-    }                                                                                           \
-    for (int g = 0; g < G; g++) {                                                               \
-        const __m512 inv = _mm512_set1_ps(run_sum[g] > 0.0f ? 1.0f / run_sum[g] : 0.0f);        \
-        for (int j = 0; j < ND; j++)                                                            \
-            STORE16(out + (g * ND + j) * TILE, _mm512_mul_ps(acc[g][j], inv));                  \
-    }                                                                                           \
+/* One sequence and `kv_heads` of its KV heads (from the one `query`, `key_cache`, `value_cache`
+ * and `out` point at): for each block, each KV head's G query heads (ND vectors of 16 each) score
+ * its rows and take in its values. Expanded once per (G, ND) so that the loops over them unroll
+ * and one KV head's q / acc live in registers while it works on a block; between heads they wait
+ * in L1. Taking every KV head of a block in turn reads the block whole, in memory order. */
+#define DEFINE_SIMD_ITEM(NAME, T, ROW, STORE16, G, ND)                                             \
+static void NAME(const T *query, const T *key_cache, const T *value_cache,                         \
+                 const int64_t *table, int64_t len, T *out, int kv_heads, int block_size,          \
+                 int64_t token_stride, int64_t block_stride, float scale) {                        \
+    __m512 q_all[kv_heads][G][ND], acc_all[kv_heads][G][ND];                                       \
+    float max_all[kv_heads][G], sum_all[kv_heads][G];                                              \
+    float probs[G][TILE] __attribute__((aligned(64)));                                             \
+    for (int kh = 0; kh < kv_heads; kh++)                                                          \
+        for (int g = 0; g < G; g++) {                                                              \
+            ROW(q_all[kh][g], query + (kh * G + g) * ND * TILE, ND);                               \
+            for (int j = 0; j < ND; j++) acc_all[kh][g][j] = _mm512_setzero_ps();                  \
+            max_all[kh][g] = -INFINITY;                                                            \
+            sum_all[kh][g] = 0.0f;                                                                 \
+        }                                                                                          \
+    const int row_lines = (int)((kv_heads * ND * TILE * sizeof(T) + 63) / 64);                     \
+    for (int64_t start = 0; start < len; start += block_size) {                                    \
+        const int in_block = (int)(len - start < block_size ? len - start : block_size);           \
+        const int64_t base = table[start / block_size] * block_stride;                             \
+        if (start + block_size < len) { /* the next block lies elsewhere: fetch it early */        \
+            const int64_t next = table[start / block_size + 1] * block_stride;                     \
+            for (int t = 0; t < block_size; t++)                                                   \
+                for (int c = 0; c < row_lines; c++) {                                              \
+                    __builtin_prefetch((const char *)(key_cache + next + t * token_stride)         \
+                                       + 64 * c);                                                  \
+                    __builtin_prefetch((const char *)(value_cache + next + t * token_stride)       \
+                                       + 64 * c);                                                  \
+                }                                                                                  \
+        }                                                                                          \
+        for (int kh = 0; kh < kv_heads; kh++) {                                                    \
+            __m512 q[G][ND], acc[G][ND];                                                           \
+            float run_max[G], run_sum[G];                                                          \
+            for (int g = 0; g < G; g++) {                                                          \
+                for (int j = 0; j < ND; j++) {                                                     \
+                    q[g][j] = q_all[kh][g][j];                                                     \
+                    acc[g][j] = acc_all[kh][g][j];                                                 \
+                }                                                                                  \
+                run_max[g] = max_all[kh][g];                                                       \
+                run_sum[g] = sum_all[kh][g];                                                       \
+            }                                                                                      \
+            for (int t0 = 0; t0 < in_block; t0 += TILE) {                                          \
+                const int n = in_block - t0 < TILE ? in_block - t0 : TILE;                         \
+                const T *k_rows = key_cache + base + t0 * token_stride + kh * ND * TILE;           \
+                const T *v_rows = value_cache + base + t0 * token_stride + kh * ND * TILE;         \
+                /* Scores: per head a vector of partial products per token, one reduction. */      \
+                __m512 partial[G][TILE];                                                           \
+                for (int t = 0; t < TILE; t++) {                                                   \
+                    if (t < n) {                                                                   \
+                        __m512 k[ND];                                                              \
+                        ROW(k, k_rows + t * token_stride, ND);                                     \
+                        for (int g = 0; g < G; g++) partial[g][t] = dot16(q[g], k, ND);            \
+                    } else {                                                                       \
+                        for (int g = 0; g < G; g++) partial[g][t] = _mm512_setzero_ps();           \
+                    }                                                                              \
+                }                                                                                  \
+                const __mmask16 valid = (__mmask16)((1u << n) - 1u);                               \
+                for (int g = 0; g < G; g++) {                                                      \
+                    const __m512 s = _mm512_mask_blend_ps(                                         \
+                        valid, _mm512_set1_ps(-INFINITY),                                          \
+                        _mm512_mul_ps(sum_lanes16(partial[g]), _mm512_set1_ps(scale)));            \
+                    const float tile_max = _mm512_reduce_max_ps(s);                                \
+                    const float new_max = tile_max > run_max[g] ? tile_max : run_max[g];           \
+                    const float correction = exp_approx(run_max[g] - new_max);                     \
+                    const __m512 p = exp16(_mm512_sub_ps(s, _mm512_set1_ps(new_max)));             \
+                    run_max[g] = new_max;                                                          \
+                    run_sum[g] = run_sum[g] * correction + _mm512_reduce_add_ps(p);                \
+                    _mm512_store_ps(probs[g], p);                                                  \
+                    const __m512 corr = _mm512_set1_ps(correction);                                \
+                    for (int j = 0; j < ND; j++) acc[g][j] = _mm512_mul_ps(acc[g][j], corr);       \
+                }                                                                                  \
+                for (int t = 0; t < n; t++) {                                                      \
+                    __m512 v[ND];                                                                  \
+                    ROW(v, v_rows + t * token_stride, ND);                                         \
+                    for (int g = 0; g < G; g++) {                                                  \
+                        const __m512 p = _mm512_set1_ps(probs[g][t]);                              \
+                        for (int j = 0; j < ND; j++)                                               \
+                            acc[g][j] = _mm512_fmadd_ps(p, v[j], acc[g][j]);                       \
+                    }                                                                              \
+                }                                                                                  \
+            }                                                                                      \
+            for (int g = 0; g < G; g++) {                                                          \
+                for (int j = 0; j < ND; j++) acc_all[kh][g][j] = acc[g][j];                        \
+                max_all[kh][g] = run_max[g];                                                       \
+                sum_all[kh][g] = run_sum[g];                                                       \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+    for (int kh = 0; kh < kv_heads; kh++)                                                          \
+        for (int g = 0; g < G; g++) {                                                              \
+            const float total = sum_all[kh][g];                                                    \
+            const __m512 inv = _mm512_set1_ps(total > 0.0f ? 1.0f / total : 0.0f);                 \
+            for (int j = 0; j < ND; j++)                                                           \
+                STORE16(out + ((kh * G + g) * ND + j) * TILE,                                      \
+                        _mm512_mul_ps(acc_all[kh][g][j], inv));                                    \
+        }                                                                                          \
 }
 
-#define DEFINE_SIMD_ITEMS(T, SFX, LOAD16, STORE16)                                                \
-    DEFINE_SIMD_ITEM(item_##SFX##_g1_d4, T, LOAD16, STORE16, 1, 4)                               \
-    DEFINE_SIMD_ITEM(item_##SFX##_g2_d4, T, LOAD16, STORE16, 2, 4)                               \
-    DEFINE_SIMD_ITEM(item_##SFX##_g3_d4, T, LOAD16, STORE16, 3, 4)                               \
-    DEFINE_SIMD_ITEM(item_##SFX##_g4_d4, T, LOAD16, STORE16, 4, 4)                               \
-    DEFINE_SIMD_ITEM(item_##SFX##_g5_d4, T, LOAD16, STORE16, 5, 4)                               \
-    DEFINE_SIMD_ITEM(item_##SFX##_g6_d4, T, LOAD16, STORE16, 6, 4)                               \
-    DEFINE_SIMD_ITEM(item_##SFX##_g7_d4, T, LOAD16, STORE16, 7, 4)                               \
-    DEFINE_SIMD_ITEM(item_##SFX##_g8_d4, T, LOAD16, STORE16, 8, 4)                               \
-    DEFINE_SIMD_ITEM(item_##SFX##_g1_d8, T, LOAD16, STORE16, 1, 8)                               \
-    DEFINE_SIMD_ITEM(item_##SFX##_g2_d8, T, LOAD16, STORE16, 2, 8)                               \
-    DEFINE_SIMD_ITEM(item_##SFX##_g3_d8, T, LOAD16, STORE16, 3, 8)                               \
-    DEFINE_SIMD_ITEM(item_##SFX##_g4_d8, T, LOAD16, STORE16, 4, 8)                               \
-    DEFINE_SIMD_ITEM(item_##SFX##_g5_d8, T, LOAD16, STORE16, 5, 8)                               \
-    DEFINE_SIMD_ITEM(item_##SFX##_g6_d8, T, LOAD16, STORE16, 6, 8)                               \
-    DEFINE_SIMD_ITEM(item_##SFX##_g7_d8, T, LOAD16, STORE16, 7, 8)                               \
-    DEFINE_SIMD_ITEM(item_##SFX##_g8_d8, T, LOAD16, STORE16, 8, 8)                               \
-    typedef void (*item_##SFX##_fn)(const T *, const T *, const T *, const int64_t *, int64_t,   \
-                                    T *, int, int64_t, int64_t, float);                          \
-    static const item_##SFX##_fn items_##SFX[2][8] = {                                           \
-        {item_##SFX##_g1_d4, item_##SFX##_g2_d4, item_##SFX##_g3_d4, item_##SFX##_g4_d4,         \
-         item_##SFX##_g5_d4, item_##SFX##_g6_d4, item_##SFX##_g7_d4, item_##SFX##_g8_d4},        \
-        {item_##SFX##_g1_d8, item_##SFX##_g2_d8, item_##SFX##_g3_d8, item_##SFX##_g4_d8,         \
+#define DEFINE_SIMD_ITEMS(T, SFX, ROW, STORE16)                                                    \
+    DEFINE_SIMD_ITEM(item_##SFX##_g1_d4, T, ROW, STORE16, 1, 4)                                    \
+    DEFINE_SIMD_ITEM(item_##SFX##_g2_d4, T, ROW, STORE16, 2, 4)                                    \
+    DEFINE_SIMD_ITEM(item_##SFX##_g3_d4, T, ROW, STORE16, 3, 4)                                    \
+    DEFINE_SIMD_ITEM(item_##SFX##_g4_d4, T, ROW, STORE16, 4, 4)                                    \
+    DEFINE_SIMD_ITEM(item_##SFX##_g5_d4, T, ROW, STORE16, 5, 4)                                    \
+    DEFINE_SIMD_ITEM(item_##SFX##_g6_d4, T, ROW, STORE16, 6, 4)                                    \
+    DEFINE_SIMD_ITEM(item_##SFX##_g7_d4, T, ROW, STORE16, 7, 4)                                    \
+    DEFINE_SIMD_ITEM(item_##SFX##_g8_d4, T, ROW, STORE16, 8, 4)                                    \
+    DEFINE_SIMD_ITEM(item_##SFX##_g1_d8, T, ROW, STORE16, 1, 8)                                    \
+    DEFINE_SIMD_ITEM(item_##SFX##_g2_d8, T, ROW, STORE16, 2, 8)                                    \
+    DEFINE_SIMD_ITEM(item_##SFX##_g3_d8, T, ROW, STORE16, 3, 8)                                    \
+    DEFINE_SIMD_ITEM(item_##SFX##_g4_d8, T, ROW, STORE16, 4, 8)                                    \
+    DEFINE_SIMD_ITEM(item_##SFX##_g5_d8, T, ROW, STORE16, 5, 8)                                    \
+    DEFINE_SIMD_ITEM(item_##SFX##_g6_d8, T, ROW, STORE16, 6, 8)                                    \
+    DEFINE_SIMD_ITEM(item_##SFX##_g7_d8, T, ROW, STORE16, 7, 8)                                    \
+    DEFINE_SIMD_ITEM(item_##SFX##_g8_d8, T, ROW, STORE16, 8, 8)                                    \
+    typedef void (*item_##SFX##_fn)(const T *, const T *, const T *, const int64_t *, int64_t,     \
+                                    T *, int, int, int64_t, int64_t, float);                       \
+    static const item_##SFX##_fn items_##SFX[2][8] = {                                             \
+        {item_##SFX##_g1_d4, item_##SFX##_g2_d4, item_##SFX##_g3_d4, item_##SFX##_g4_d4,           \
+         item_##SFX##_g5_d4, item_##SFX##_g6_d4, item_##SFX##_g7_d4, item_##SFX##_g8_d4},          \
+        {item_##SFX##_g1_d8, item_##SFX##_g2_d8, item_##SFX##_g3_d8, item_##SFX##_g4_d8,           \
          item_##SFX##_g5_d8, item_##SFX##_g6_d8, item_##SFX##_g7_d8, item_##SFX##_g8_d8}};
 
-DEFINE_SIMD_ITEMS(float, f32, load16_f32, store16_f32)
-DEFINE_SIMD_ITEMS(uint16_t, bf16, load16_bf16, store16_bf16)
+DEFINE_SIMD_ITEMS(float, f32, row_f32, store16_f32)
+DEFINE_SIMD_ITEMS(uint16_t, bf16, row_bf16, store16_bf16)
 
-#define DEFINE_SIMD_DECODE(NAME, T, SFX)                                                         \
-int NAME(const T *query, int64_t q_stride, const T *key_cache, const T *value_cache,            \
-         const int64_t *block_tables, int64_t bt_stride, const int64_t *seq_lens, T *out,       \
-         int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,           \
-         float scale) {                                                                         \
-    const int group = num_heads / num_kv_heads;                                                 \
-    if (!pagoda_attention_simd || (head_dim != 64 && head_dim != 128) || group < 1 ||           \
-        group > 8)                                                                              \
-        return -1;                                                                              \
-    const item_##SFX##_fn item = items_##SFX[head_dim == 128][group - 1];                       \
-    const int64_t token_stride = (int64_t)num_kv_heads * head_dim;                             \
-    const int64_t block_stride = (int64_t)block_size * token_stride;                           \
-    const int num_items = num_seqs * num_kv_heads;                                              \
-    /* Items of one sequence are neighbours, so a thread mostly reads whole blocks. */          \
-    _Pragma("omp parallel for schedule(static)")                                                \
-    for (int i = 0; i < num_items; i++) {                                                       \
-        const int s = i / num_kv_heads, kh = i % num_kv_heads;                                  \
-        item(query + s * q_stride + (int64_t)kh * group * head_dim,                             \
-             key_cache + (int64_t)kh * head_dim, value_cache + (int64_t)kh * head_dim,          \
-             block_tables + s * bt_stride, seq_lens[s],                                         \
-             out + ((int64_t)s * num_heads + (int64_t)kh * group) * head_dim, block_size,       \
-             token_stride, block_stride, scale);                                                \
-    }                                                                                           \
-    return 0;                                                                                   \
+#define DEFINE_SIMD_DECODE(NAME, T, SFX)                                                           \
+int NAME(const T *query, int64_t q_stride, const T *key_cache, const T *value_cache,               \
+         const int64_t *block_tables, int64_t bt_stride, const int64_t *seq_lens, T *out,          \
+         int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,              \
+         float scale) {                                                                            \
+    const int group = num_heads / num_kv_heads;                                                    \
+    if (!pagoda_attention_simd || (head_dim != 64 && head_dim != 128) || group < 1 ||              \
+        group > 8)                                                                                 \
+        return -1;                                                                                 \
+    const item_##SFX##_fn item = items_##SFX[head_dim == 128][group - 1];                          \
+    const int64_t token_stride = (int64_t)num_kv_heads * head_dim;                                 \
+    const int64_t block_stride = (int64_t)block_size * token_stride;                               \
+    /* All of a sequence's KV heads in one item, so each block is read whole; one per item when    \
+     * there are too few sequences to keep every thread busy. */                                   \
+    const int per_item = num_seqs >= 4 * omp_get_max_threads() ? num_kv_heads : 1;                 \
+    const int chunks = num_kv_heads / per_item;                                                    \
+    const int num_items = num_seqs * chunks;                                                       \
+    _Pragma("omp parallel for schedule(static)")                                                   \
+    for (int i = 0; i < num_items; i++) {                                                          \
+        const int s = i / chunks, kh = (i % chunks) * per_item;                                    \
+        item(query + s * q_stride + (int64_t)kh * group * head_dim,                                \
+             key_cache + (int64_t)kh * head_dim, value_cache + (int64_t)kh * head_dim,             \
+             block_tables + s * bt_stride, seq_lens[s],                                            \
+             out + ((int64_t)s * num_heads + (int64_t)kh * group) * head_dim, per_item,            \
+             block_size, token_stride, block_stride, scale);                                       \
+    }                                                                                              \
+    return 0;                                                                                      \
 }
 
 DEFINE_SIMD_DECODE(paged_decode_simd_f32, float, f32)

@@ -174,10 +174,18 @@ def run_vllm(python: str | None, config, prompts: list[list[int]], output_len: i
                "dtype": str(config.model_config.dtype).removeprefix("torch."),
                "max_model_len": max(len(p) for p in prompts) + output_len,
                "max_num_seqs": config.scheduler_config.max_num_seqs,
-               "result_path": os.path.join(tmp, "result.json")}
+               "result_path": os.path.join(tmp, "result.json"),
+               "memory_fraction": 0.5}
+        # vLLM's CPU build keeps a core for its scheduler unless told which to use; the
+        # comparison runs its OpenMP threads on every core this process may use, as pagoda's.
+        env = dict(os.environ)
+        cpus = sorted(os.sched_getaffinity(0))
+        if "VLLM_CPU_OMP_THREADS_BIND" not in env and cpus == list(range(cpus[0], cpus[-1] + 1)):
+            env["VLLM_CPU_OMP_THREADS_BIND"] = f"{cpus[0]}-{cpus[-1]}"
         script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_peer.py")
         print(f"vLLM: {python} {script} (start-up takes a minute or two)", flush=True)
-        proc = subprocess.run([python, script], input=json.dumps(job), text=True, timeout=1800)
+        proc = subprocess.run([python, script], input=json.dumps(job), text=True, env=env,
+                              timeout=1800)
         if proc.returncode != 0 or not os.path.exists(job["result_path"]):
             raise SystemExit(f"vLLM baseline failed (exit {proc.returncode}); its log is above")
         with open(job["result_path"]) as f:

@@ -6,7 +6,7 @@ i * n + j. Usage adds up every prompt's tokens.
 """
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -243,6 +243,32 @@ class OpenAIServing:
                 release()
 
 
+async def stream_events(first, streams: EngineStreams, num_prompts: int,
+                        events_of: Callable[[int, RequestOutput], Iterable[str]],
+                        usage_event: Callable[[UsageInfo], str] | None,
+                        opening: Iterable[str] = ()) -> AsyncIterator[str]:
+    """A streamed response's server-sent events, for either endpoint: `opening`, then
+    `events_of(prompt_index, output)` for each engine output from `first` on, the usage event
+    (when the client asked for one), an error event if the engine request fails midway, and
+    [DONE]."""
+    usage = UsageTally(num_prompts)
+    try:
+        for event in opening:
+            yield event
+        item = first
+        while item is not None:
+            i, out = item
+            usage.add(i, out)
+            for event in events_of(i, out):
+                yield event
+            item = await streams.next()
+        if usage_event is not None:
+            yield usage_event(usage.info())
+    except EngineRequestError as e:
+        yield _stream_error_event(e)
+    yield sse_event("[DONE]")
+
+
 def _stream_error_event(e: EngineRequestError) -> str:
     err = api_error_from_engine(e)
     log.warning("stream ended with an error", status=err.status, error=err.message)
@@ -275,29 +301,24 @@ class CompletionServing(OpenAIServing):
             return CompletionChoice(index=i * n + c.index, text=text, logprobs=logprobs,
                                     finish_reason=c.finish_reason, stop_reason=c.stop_reason)
 
-        async def body(first, streams: EngineStreams) -> AsyncIterator[str]:
+        def body(first, streams: EngineStreams) -> AsyncIterator[str]:
             states = [ChoiceState() for _ in range(len(prompts) * n)]
-            usage = UsageTally(len(prompts))
-            item = first
-            try:
-                while item is not None:
-                    i, out = item
-                    usage.add(i, out)
-                    for c in out.outputs:
-                        choice = choice_delta(i, c, states[i * n + c.index])
-                        if choice is not None:
-                            chunk = CompletionStreamResponse(id=response_id, created=created,
-                                                             model=self.model_name,
-                                                             choices=[choice])
-                            yield sse_event(_chunk_dict(chunk, include_usage))
-                    item = await streams.next()
-                if include_usage:
-                    yield sse_event(CompletionStreamResponse(
-                        id=response_id, created=created, model=self.model_name, choices=[],
-                        usage=usage.info()).model_dump())
-            except EngineRequestError as e:
-                yield _stream_error_event(e)
-            yield sse_event("[DONE]")
+
+            def events_of(i: int, out: RequestOutput) -> Iterator[str]:
+                for c in out.outputs:
+                    choice = choice_delta(i, c, states[i * n + c.index])
+                    if choice is not None:
+                        yield sse_event(_chunk_dict(CompletionStreamResponse(
+                            id=response_id, created=created, model=self.model_name,
+                            choices=[choice]), include_usage))
+
+            def usage_event(usage: UsageInfo) -> str:
+                return sse_event(CompletionStreamResponse(
+                    id=response_id, created=created, model=self.model_name, choices=[],
+                    usage=usage).model_dump())
+
+            return stream_events(first, streams, len(prompts), events_of,
+                                 usage_event if include_usage else None)
 
         def response(outputs) -> JSONResponse:
             states = [ChoiceState() for _ in range(len(prompts) * n)]
@@ -349,38 +370,33 @@ class ChatServing(OpenAIServing):
         def logprobs_of(c: CompletionOutput) -> list[TokenLogprob] | None:
             return chat_logprobs(c, top_n) if req.logprobs and c.logprobs else None
 
-        async def body(first, streams: EngineStreams) -> AsyncIterator[str]:
-            usage = UsageTally(1)
+        def chunk(choice: ChatCompletionStreamChoice) -> str:
+            return sse_event(_chunk_dict(ChatCompletionChunk(
+                id=response_id, created=created, model=self.model_name, choices=[choice]),
+                include_usage))
 
-            def chunk(choice: ChatCompletionStreamChoice) -> str:
-                return sse_event(_chunk_dict(ChatCompletionChunk(
-                    id=response_id, created=created, model=self.model_name, choices=[choice]),
-                    include_usage))
+        def events_of(_: int, out: RequestOutput) -> Iterator[str]:
+            for c in out.outputs:
+                logprobs = logprobs_of(c)
+                if not c.text and logprobs is None and c.finish_reason is None:
+                    continue
+                yield chunk(ChatCompletionStreamChoice(
+                    index=c.index, delta=DeltaMessage(content=c.text or None),
+                    logprobs=ChoiceLogprobs(content=logprobs) if logprobs else None,
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason))
 
-            try:
-                for index in range(req.n):
-                    yield chunk(ChatCompletionStreamChoice(
-                        index=index, delta=DeltaMessage(role="assistant", content="")))
-                item = first
-                while item is not None:
-                    _, out = item
-                    usage.add(0, out)
-                    for c in out.outputs:
-                        logprobs = logprobs_of(c)
-                        if not c.text and logprobs is None and c.finish_reason is None:
-                            continue
-                        yield chunk(ChatCompletionStreamChoice(
-                            index=c.index, delta=DeltaMessage(content=c.text or None),
-                            logprobs=ChoiceLogprobs(content=logprobs) if logprobs else None,
-                            finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-                    item = await streams.next()
-                if include_usage:
-                    yield sse_event(ChatCompletionChunk(
-                        id=response_id, created=created, model=self.model_name, choices=[],
-                        usage=usage.info()).model_dump())
-            except EngineRequestError as e:
-                yield _stream_error_event(e)
-            yield sse_event("[DONE]")
+        def usage_event(usage: UsageInfo) -> str:
+            return sse_event(ChatCompletionChunk(
+                id=response_id, created=created, model=self.model_name, choices=[],
+                usage=usage).model_dump())
+
+        def body(first, streams: EngineStreams) -> AsyncIterator[str]:
+            # Each choice opens with the assistant's role, as OpenAI's streams do.
+            opening = [chunk(ChatCompletionStreamChoice(
+                index=index, delta=DeltaMessage(role="assistant", content="")))
+                for index in range(req.n)]
+            return stream_events(first, streams, 1, events_of,
+                                 usage_event if include_usage else None, opening)
 
         def response(outputs) -> JSONResponse:
             states = [ChoiceState() for _ in range(req.n)]

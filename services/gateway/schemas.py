@@ -9,7 +9,8 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt
+from pydantic import (BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, ValidationInfo,
+                      field_validator)
 
 
 def random_id(prefix: str) -> str:
@@ -134,7 +135,16 @@ class ChatMessageParam(BaseModel):
     # Messages carry fields pagoda does not use (name, tool_call_id, ...): they are ignored.
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
+    content: str | list[TextContentPart] | None = Field(default=None, validate_default=True)
+
+    @field_validator("content")
+    @classmethod
+    def _content_required(cls, content, info: ValidationInfo):
+        # As OpenAI: only an assistant message (one that called tools) may come without content.
+        role = info.data.get("role")
+        if content is None and role is not None and role != "assistant":
+            raise ValueError(f"a {role} message needs its content")
+        return content
 
     def text(self) -> str:
         if self.content is None:
