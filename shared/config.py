@@ -108,7 +108,8 @@ class PagodaConfig:
 def load_hf_config(source: ModelSource):
     from transformers import AutoConfig
     if source.gguf_file:
-        return AutoConfig.from_pretrained(source.folder, gguf_file=source.gguf_file)
+        from shared.gguf_meta import load_config
+        return load_config(source)
     return AutoConfig.from_pretrained(source.folder)
 
 

@@ -1,6 +1,7 @@
 """Loading a model's tokenizer from local files (a HF folder or a GGUF file)."""
 from functools import lru_cache
 
+from shared.gguf_meta import load_tokenizer as load_gguf_tokenizer
 from shared.model_source import resolve_model
 
 
@@ -10,7 +11,7 @@ def get_tokenizer(tokenizer: str | None):
     from transformers import AutoTokenizer
     source = resolve_model(tokenizer)
     if source.gguf_file:
-        return AutoTokenizer.from_pretrained(source.folder, gguf_file=source.gguf_file)
+        return load_gguf_tokenizer(source)
     return AutoTokenizer.from_pretrained(source.folder)
 
 

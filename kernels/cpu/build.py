@@ -15,6 +15,7 @@ import subprocess
 import tempfile
 import threading
 
+from shared.gguf_meta import cache_root
 from shared.logging import get_logger
 
 log = get_logger("kernels")
@@ -29,9 +30,7 @@ _failed: str | None = None
 
 
 def cache_dir() -> str:
-    root = os.environ.get("PAGODA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
-                                                               "pagoda")
-    return os.path.join(root, "kernels")
+    return os.path.join(cache_root(), "kernels")
 
 
 def _cpu_signature() -> str:
