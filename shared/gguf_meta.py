@@ -7,23 +7,19 @@ every process that starts (engine, worker, tokenizers, detokenizers, the gateway
 files go to `$PAGODA_CACHE_DIR/gguf-meta/<key>/{config,tokenizer}` (default ~/.cache/pagoda),
 the key naming the file (path, size, modification time) and the transformers version that
 converted it; later loads read them in well under a second. Where the cache cannot be written,
-every load converts again, as before.
+or an entry cannot be read back, the load converts again, as before. Entries of files or
+transformers versions no longer used are not removed.
 """
 import hashlib
 import os
 import shutil
 import tempfile
 
+from shared.cache import cache_root
 from shared.logging import get_logger
 from shared.model_source import ModelSource
 
 log = get_logger("gguf")
-
-
-def cache_root() -> str:
-    """pagoda's cache directory: $PAGODA_CACHE_DIR, or ~/.cache/pagoda."""
-    return os.environ.get("PAGODA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
-                                                              "pagoda")
 
 
 def _folder(source: ModelSource, part: str) -> str:
@@ -35,17 +31,26 @@ def _folder(source: ModelSource, part: str) -> str:
 
 
 def _cached(source: ModelSource, part: str, convert, load):
-    """`load(folder)` of the cached conversion; on a miss, `convert()` and save it there first
-    (written beside and renamed, so processes starting together never read half a folder)."""
+    """`load(folder)` of the cached conversion; on a miss (or an entry that does not load),
+    `convert()` and save it there (written beside and renamed, so processes starting together
+    never read half a folder)."""
     folder = _folder(source, part)
     if os.path.isdir(folder):
-        return load(folder)
+        try:
+            return load(folder)
+        except Exception as e:  # damaged or unreadable: the conversion still works
+            log.warning("cached GGUF conversion does not load; converting", part=part,
+                        folder=folder, error=str(e))
+            return convert()
     converted = convert()
     try:
         os.makedirs(os.path.dirname(folder), exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=f".{part}-", dir=os.path.dirname(folder))
         try:
             converted.save_pretrained(tmp)
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o755 & ~umask)  # mkdtemp's 0700 would keep other users of a cache out
             os.rename(tmp, folder)
             log.info("cached the GGUF conversion", part=part, folder=folder)
         except OSError:
@@ -53,7 +58,7 @@ def _cached(source: ModelSource, part: str, convert, load):
                 raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    except OSError as e:
+    except Exception as e:
         log.warning("cannot cache the GGUF conversion; converting on every load", part=part,
                     error=str(e))
     return converted

@@ -102,6 +102,11 @@ ATTENTION_CASES = [
     (2, 4, 128, 16, [1, 16, 17, 600, 250, 3, 64, 65]),
     (1, 8, 256, 32, [70, 31]),
     (3, 3, 48, 8, [1, 8, 9, 64, 2]),
+    # Batches of 16 sequences, enough that a work item takes several KV heads (as at serving
+    # time): groups 2, 5 and 8, up to 16 query heads per item.
+    (1, 2, 64, 32, [1, 31, 32, 33, 200, 7, 64, 65, 16, 17, 3, 90, 128, 129, 5, 40]),
+    (4, 5, 64, 16, [16, 1, 17, 300, 15, 2, 48, 49, 33, 8, 100, 64, 1, 19, 77, 31]),
+    (8, 8, 128, 16, [5, 17, 16, 1, 250, 33, 64, 2, 31, 48, 9, 120, 15, 80, 3, 65]),
 ]
 CASE_IDS = [f"kv{kv}-g{g}-d{d}-b{b}" for kv, g, d, b, _ in ATTENTION_CASES]
 
@@ -145,10 +150,12 @@ def test_paged_decode_attention_bf16_equals_the_reference_to_bf16_rounding(case,
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_decode_attention_reads_only_each_sequences_own_tokens(dtype, attention_path):
+@pytest.mark.parametrize("lens", [[1, 17, 40, 16], [1, 17, 40, 16, 5, 33, 2, 64] * 2],
+                         ids=["4_seqs", "16_seqs"])
+def test_paged_decode_attention_reads_only_each_sequences_own_tokens(dtype, lens, attention_path):
     """NaN in every slot no sequence owns (the tail of each last block, the unused blocks, block
     0 that pads the tables) leaves the output finite and unchanged."""
-    c = PagedCase([1, 17, 40, 16], 2, 4, 64, 16, dtype)
+    c = PagedCase(lens, 2, 4, 64, 16, dtype)
     expected = cpu_kernels.paged_decode_attention(*c.args())
     free = ~c.used_slots()
     assert free.any()

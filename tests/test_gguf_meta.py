@@ -30,6 +30,15 @@ def test_config_and_tokenizer_are_cached_and_read_back_the_same(tmp_path, monkey
     assert cached.chat_template == tokenizer.chat_template
     assert cached.all_special_ids == tokenizer.all_special_ids
     assert not [p for p in os.listdir(os.path.dirname(folder)) if p.startswith(".")]  # no temp
+    # Other users of a shared cache can read it (mkdtemp alone would leave it 0700).
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(folder).st_mode & 0o777 == 0o755 & ~umask
+
+    # A damaged entry costs the conversion, not the load.
+    with open(os.path.join(gguf_meta._folder(source, "config"), "config.json"), "w") as f:
+        f.write("{not json")
+    assert gguf_meta.load_config(source).to_dict() == converted.to_dict()
 
 
 def test_a_changed_file_gets_a_new_entry(tmp_path, monkeypatch):

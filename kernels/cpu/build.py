@@ -15,7 +15,7 @@ import subprocess
 import tempfile
 import threading
 
-from shared.gguf_meta import cache_root
+from shared.cache import cache_root
 from shared.logging import get_logger
 
 log = get_logger("kernels")

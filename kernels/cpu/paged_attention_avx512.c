@@ -7,12 +7,12 @@
  * product to a scalar on its own, which costs more than the multiply-adds, and keeps its
  * accumulators in memory. Here a tile of 16 tokens is scored at once: each token's partial
  * products stay a vector, and one transposing reduction turns 16 of them into one vector of 16
- * scores (45 instructions instead of ~160), so softmax also runs on vectors. The query heads
- * and output accumulators of one KV head stay in registers for the whole sequence.
+ * scores (45 instructions instead of ~160), so softmax also runs on vectors.
  *
- * A work item is a sequence and all its KV heads (one KV head per item when there are too few
- * sequences to keep the threads busy): each block is read whole, in memory order, and each KV
- * head's rows serve all the query heads that share it.
+ * A work item is a sequence and as many of its KV heads as fit ITEM_HEADS query heads (one KV
+ * head per item when there are too few sequences to keep the threads busy): for most models a
+ * block is then read whole, in memory order, and each KV head's rows serve all the query heads
+ * that share it.
  */
 #include <stdint.h>
 
@@ -21,7 +21,7 @@
 #include "common.h"
 #include "paged_attention.h"
 
-int pagoda_attention_simd = 1;
+static int pagoda_attention_simd = 1;
 
 void set_attention_simd(int on) { pagoda_attention_simd = on; }
 
@@ -29,6 +29,7 @@ void set_attention_simd(int on) { pagoda_attention_simd = on; }
 #include <immintrin.h>
 
 #define TILE 16
+#define ITEM_HEADS 16 /* query heads per work item at most: bounds each item's stack frame */
 
 static inline __m512 load16_bf16(const uint16_t *p) {
     const __m256i h = _mm256_loadu_si256((const __m256i *)p);
@@ -108,8 +109,8 @@ static inline __m512 exp16(__m512 x) {
 static void NAME(const T *query, const T *key_cache, const T *value_cache,                         \
                  const int64_t *table, int64_t len, T *out, int kv_heads, int block_size,          \
                  int64_t token_stride, int64_t block_stride, float scale) {                        \
-    __m512 q_all[kv_heads][G][ND], acc_all[kv_heads][G][ND];                                       \
-    float max_all[kv_heads][G], sum_all[kv_heads][G];                                              \
+    __m512 q_all[ITEM_HEADS / G][G][ND], acc_all[ITEM_HEADS / G][G][ND];                           \
+    float max_all[ITEM_HEADS / G][G], sum_all[ITEM_HEADS / G][G];                                  \
     float probs[G][TILE] __attribute__((aligned(64)));                                             \
     for (int kh = 0; kh < kv_heads; kh++)                                                          \
         for (int g = 0; g < G; g++) {                                                              \
@@ -240,9 +241,13 @@ int NAME(const T *query, int64_t q_stride, const T *key_cache, const T *value_ca
     const item_##SFX##_fn item = items_##SFX[head_dim == 128][group - 1];                          \
     const int64_t token_stride = (int64_t)num_kv_heads * head_dim;                                 \
     const int64_t block_stride = (int64_t)block_size * token_stride;                               \
-    /* All of a sequence's KV heads in one item, so each block is read whole; one per item when    \
-     * there are too few sequences to keep every thread busy. */                                   \
-    const int per_item = num_seqs >= 4 * omp_get_max_threads() ? num_kv_heads : 1;                 \
+    /* As many of a sequence's KV heads per item as fit ITEM_HEADS query heads (a divisor          \
+     * of num_kv_heads: all of them for most models, so each block is read whole); one             \
+     * per item when there are too few sequences to keep every thread busy. */                     \
+    int per_item = 1;                                                                              \
+    if (num_seqs >= 4 * omp_get_max_threads())                                                     \
+        for (int k = num_kv_heads; k >= 1; k--)                                                    \
+            if (num_kv_heads % k == 0 && k * group <= ITEM_HEADS) { per_item = k; break; }         \
     const int chunks = num_kv_heads / per_item;                                                    \
     const int num_items = num_seqs * chunks;                                                       \
     _Pragma("omp parallel for schedule(static)")                                                   \

@@ -227,9 +227,9 @@ class OpenAIServing:
         try:
             if stream:
                 first = await unless_disconnected(streams.next(), raw, self.disconnect_poll_s)
-                handed_over = True
-                return EventStreamResponse(make_body(first, streams),
-                                           on_close=lambda: (streams.close(), release()))
+                body = make_body(first, streams)
+                handed_over = True  # from here the response's close frees the slot
+                return EventStreamResponse(body, on_close=lambda: (streams.close(), release()))
             outputs = await unless_disconnected(streams.collect(), raw, self.disconnect_poll_s)
             return make_response(outputs)
         except ClientDisconnected:
