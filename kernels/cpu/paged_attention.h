@@ -16,6 +16,17 @@ int paged_decode_simd_bf16(const uint16_t *query, int64_t q_stride, const uint16
                            int num_seqs, int num_heads, int num_kv_heads, int head_dim,
                            int block_size, float scale);
 
+/* How many KV heads a work item takes: as many as fit `max_heads` query heads (a divisor of
+ * num_kv_heads), so a block is read once for all of them; but one when there are too few
+ * sequences to keep every thread busy. */
+static inline int kv_heads_per_item(int num_seqs, int num_kv_heads, int group, int max_heads,
+                                    int threads) {
+    if (num_seqs < 4 * threads) return 1;
+    for (int k = num_kv_heads; k > 1; k--)
+        if (num_kv_heads % k == 0 && k * group <= max_heads) return k;
+    return 1;
+}
+
 /* Whether the library was built with the AVX-512 path; set_attention_simd(0) turns it off (tests
  * compare both paths on one machine). */
 int attention_simd_available(void);

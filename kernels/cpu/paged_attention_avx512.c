@@ -241,13 +241,8 @@ int NAME(const T *query, int64_t q_stride, const T *key_cache, const T *value_ca
     const item_##SFX##_fn item = items_##SFX[head_dim == 128][group - 1];                          \
     const int64_t token_stride = (int64_t)num_kv_heads * head_dim;                                 \
     const int64_t block_stride = (int64_t)block_size * token_stride;                               \
-    /* As many of a sequence's KV heads per item as fit ITEM_HEADS query heads (a divisor          \
-     * of num_kv_heads: all of them for most models, so each block is read whole); one             \
-     * per item when there are too few sequences to keep every thread busy. */                     \
-    int per_item = 1;                                                                              \
-    if (num_seqs >= 4 * omp_get_max_threads())                                                     \
-        for (int k = num_kv_heads; k >= 1; k--)                                                    \
-            if (num_kv_heads % k == 0 && k * group <= ITEM_HEADS) { per_item = k; break; }         \
+    const int per_item = kv_heads_per_item(num_seqs, num_kv_heads, group, ITEM_HEADS,              \
+                                           omp_get_max_threads());                                 \
     const int chunks = num_kv_heads / per_item;                                                    \
     const int num_items = num_seqs * chunks;                                                       \
     _Pragma("omp parallel for schedule(static)")                                                   \
