@@ -106,10 +106,10 @@ class PagodaConfig:
 
 
 def load_hf_config(source: ModelSource):
-    from transformers import AutoConfig
     if source.gguf_file:
         from shared.gguf_meta import load_config
         return load_config(source)
+    from transformers import AutoConfig
     return AutoConfig.from_pretrained(source.folder)
 
 

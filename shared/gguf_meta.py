@@ -22,7 +22,8 @@ from shared.model_source import ModelSource
 log = get_logger("gguf")
 
 
-def _folder(source: ModelSource, part: str) -> str:
+def cache_folder(source: ModelSource, part: str) -> str:
+    """Where `part` of this GGUF file's conversions is kept."""
     import transformers
     st = os.stat(source.path)
     key = f"{os.path.abspath(source.path)}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
@@ -34,7 +35,7 @@ def _cached(source: ModelSource, part: str, convert, load):
     """`load(folder)` of the cached conversion; on a miss (or an entry that does not load),
     `convert()` and save it there (written beside and renamed, so processes starting together
     never read half a folder)."""
-    folder = _folder(source, part)
+    folder = cache_folder(source, part)
     if os.path.isdir(folder):
         try:
             return load(folder)

@@ -13,7 +13,7 @@ def test_config_and_tokenizer_are_cached_and_read_back_the_same(tmp_path, monkey
     source = resolve_model(None)
     assert source.gguf_file
     converted = gguf_meta.load_config(source)
-    folder = gguf_meta._folder(source, "config")
+    folder = gguf_meta.cache_folder(source, "config")
     assert folder.startswith(str(tmp_path)) and os.path.isfile(os.path.join(folder, "config.json"))
     cached = gguf_meta.load_config(source)
     assert cached.name_or_path == folder  # read from the cache, not converted again
@@ -21,7 +21,7 @@ def test_config_and_tokenizer_are_cached_and_read_back_the_same(tmp_path, monkey
     assert differing == {"_name_or_path"}
 
     tokenizer = gguf_meta.load_tokenizer(source)
-    folder = gguf_meta._folder(source, "tokenizer")
+    folder = gguf_meta.cache_folder(source, "tokenizer")
     cached = gguf_meta.load_tokenizer(source)
     assert cached.name_or_path == folder
     assert cached(TEXT).input_ids == tokenizer(TEXT).input_ids
@@ -36,7 +36,7 @@ def test_config_and_tokenizer_are_cached_and_read_back_the_same(tmp_path, monkey
     assert os.stat(folder).st_mode & 0o777 == 0o755 & ~umask
 
     # A damaged entry costs the conversion, not the load.
-    with open(os.path.join(gguf_meta._folder(source, "config"), "config.json"), "w") as f:
+    with open(os.path.join(gguf_meta.cache_folder(source, "config"), "config.json"), "w") as f:
         f.write("{not json")
     assert gguf_meta.load_config(source).to_dict() == converted.to_dict()
 
@@ -46,10 +46,10 @@ def test_a_changed_file_gets_a_new_entry(tmp_path, monkeypatch):
     path = tmp_path / "model.gguf"
     path.write_bytes(b"GGUF")
     source = ModelSource(str(tmp_path), "model.gguf", "model")
-    before = gguf_meta._folder(source, "config")
-    assert before == gguf_meta._folder(source, "config")
+    before = gguf_meta.cache_folder(source, "config")
+    assert before == gguf_meta.cache_folder(source, "config")
     os.utime(path, ns=(1, 1))
-    assert gguf_meta._folder(source, "config") != before
+    assert gguf_meta.cache_folder(source, "config") != before
 
 
 def test_an_unwritable_cache_still_loads_the_config(tmp_path, monkeypatch):

@@ -162,26 +162,25 @@ def run_hf(model_config, workloads: list[list[list[int]]], output_len: int,
 
 def hf_folder_for(model_config) -> str:
     """A Hugging Face folder with the model's weights: its own, or one exported once from the
-    GGUF file (to the cache next to the CPU kernels) for peers that read only such folders."""
+    GGUF file into the cache, beside its converted config and tokenizer, for peers that read
+    only such folders."""
     src = model_config.source
     if not src.gguf_file:
         return src.folder
-    import hashlib
     import os
 
-    from shared.cache import cache_root
-    key = hashlib.sha256(os.path.abspath(src.path).encode()).hexdigest()[:12]
-    folder = os.path.join(cache_root(), "hf-export", key)
+    from shared.gguf_meta import cache_folder, load_tokenizer
+    folder = cache_folder(src, "hf-export")
     if not os.path.exists(os.path.join(folder, "config.json")):
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
         print(f"exporting {src.path} as a Hugging Face folder: {folder}")
-        loaded = AutoModelForCausalLM.from_pretrained(src.folder, gguf_file=src.gguf_file)
+        loaded = AutoModelForCausalLM.from_pretrained(src.folder, gguf_file=src.gguf_file,
+                                                      config=model_config.hf_config)
         # A model loaded from GGUF refuses save_pretrained; a fresh one with its weights saves.
-        fresh = AutoModelForCausalLM.from_config(
-            AutoConfig.from_pretrained(src.folder, gguf_file=src.gguf_file))
+        fresh = AutoModelForCausalLM.from_config(model_config.hf_config)
         fresh.load_state_dict(loaded.state_dict())
         fresh.save_pretrained(folder)
-        AutoTokenizer.from_pretrained(src.folder, gguf_file=src.gguf_file).save_pretrained(folder)
+        load_tokenizer(src).save_pretrained(folder)
     return folder
 
 
