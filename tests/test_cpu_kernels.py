@@ -1,7 +1,7 @@
 """The compiled CPU kernels (kernels/cpu) against the torch code each one stands in for:
 paged decode attention against kernels/reference.py, the layer ops against the torch path of
 services/worker/models/llama.py (for bfloat16 also against the Hugging Face rounding they copy),
-the packed bf16 matmul against F.linear; the build and its fallbacks in fresh processes; and a
+the packed bf16 matmuls (AMX and oneDNN) against F.linear; the build and its fallbacks in fresh processes; and a
 tiny bf16 Llama with the kernels on against transformers and against itself with them off."""
 import json
 import os
@@ -18,7 +18,8 @@ from kernels import reference
 from services.worker.attention.base import get_attn_backend
 from services.worker.attention.torch_backend import TorchAttentionBackend
 from services.worker.model_loader import load_model
-from services.worker.models.linear import Linear, _onednn, linear, pack_weight
+from services.worker.models.linear import (Linear, SiluAndMulLinear, _onednn, linear,
+                                           pack_weight)
 from services.worker.models.llama import RotaryEmbedding
 from tests.helpers import (PagedBatchPlanner, PagedSequence, load_config, model_config_for,
                            new_kv_caches, save_random_model, tiny_llama_config)
@@ -367,14 +368,26 @@ def test_rotary_refuses_positions_outside_its_table():
 
 # --- packed linear -----------------------------------------------------------------------------
 
+needs_amx = pytest.mark.skipif(not cpu_kernels.amx_available(),
+                               reason="this CPU has no AMX (or the OS does not grant it)")
+
+
+@pytest.fixture
+def onednn_only():
+    """bf16 weights packed for oneDNN even where the AMX matmul runs."""
+    cpu_kernels.set_amx_matmul(False)
+    yield
+    cpu_kernels.set_amx_matmul(True)
+
+
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_bf16_linear_equals_f_linear(bias):
+def test_onednn_packed_bf16_linear_equals_f_linear(bias, onednn_only):
     g = torch.Generator().manual_seed(0)
     weight = (torch.randn(384, 256, generator=g) * 0.05).to(torch.bfloat16)
     b = torch.randn(384, generator=g).to(torch.bfloat16) if bias else None
     packed = pack_weight(weight)
     assert _onednn(torch.bfloat16)  # this machine's CPU has bf16 instructions: packing applies
-    assert isinstance(packed, torch.Tensor)
+    assert packed.kind == "onednn" and not packed.gate_up
     for rows in (1, 7, 64, 300):
         x = torch.randn(rows, 256, generator=g).to(torch.bfloat16)
         out = linear(x, weight, b, packed)
@@ -383,6 +396,111 @@ def test_packed_bf16_linear_equals_f_linear(bias):
         # Float accumulation either way (here the very same result); a different summation
         # order could move a rounding by one bf16 step.
         assert bf16_ulps(out, expected).max() <= 1
+
+
+def silu_and_mul(product: torch.Tensor) -> torch.Tensor:
+    gate, up = product.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@needs_amx
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("gate_up", [False, True])
+def test_amx_linear_equals_f_linear(bias, gate_up):
+    """Rows around the kernel's blocks (32 rows a pass, 256 a chunk), x rows at a stride, bias,
+    and the fused SiLU(gate) * up, against F.linear (and torch's SiLU and product) in bf16."""
+    g = torch.Generator().manual_seed(5)
+    n, k = 192, 96
+    weight = (torch.randn(n, k, generator=g) * 0.1).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
+    packed = pack_weight(weight, gate_up=gate_up)
+    assert packed.kind == "amx" and packed.gate_up == gate_up
+    assert packed.data.numel() == weight.numel()  # the same size as the weight: one copy
+    for rows in (1, 7, 31, 32, 33, 64, 255, 257, 600):
+        wide = torch.randn(rows, k + 32, generator=g).to(torch.bfloat16)
+        for x in (wide[:, :k].contiguous(), wide[:, 16:16 + k]):  # the second at a row stride
+            out = linear(x, weight, b, packed)
+            expected = F.linear(x, weight, b)
+            if gate_up:
+                expected = silu_and_mul(expected)
+            assert out.shape == expected.shape and out.dtype == torch.bfloat16
+            # One summation order or another: a rounding may move by one bf16 step, and in the
+            # fused SiLU that step passes through two more roundings.
+            assert bf16_ulps(out, expected).max() <= (2 if gate_up else 1), rows
+            assert (out == expected).float().mean() > 0.99
+
+
+@needs_amx
+def test_amx_linear_of_batched_input_keeps_the_leading_dims():
+    g = torch.Generator().manual_seed(6)
+    weight = torch.randn(64, 32, generator=g).to(torch.bfloat16)
+    packed = pack_weight(weight)
+    x = torch.randn(3, 5, 32, generator=g).to(torch.bfloat16)
+    out = linear(x, weight, None, packed)
+    assert out.shape == (3, 5, 64)
+    assert bf16_ulps(out, F.linear(x, weight)).max() <= 1
+
+
+@needs_amx
+def test_amx_silu_and_mul_matches_torch_at_the_extremes():
+    """Gates far into SiLU's tails (exp overflowing and underflowing) and at zero: identity
+    weights make the gate and up halves equal x, so the result is SiLU(x) * x exactly as torch
+    rounds it."""
+    eye = torch.eye(32)
+    weight = torch.cat((eye, eye)).to(torch.bfloat16)  # [gate; up], both the identity
+    values = torch.tensor([-3e38, -200.0, -104.0, -90.0, -88.0, -20.0, -1.0, -0.5, 0.0, 0.5, 1.0,
+                           20.0, 88.0, 90.0, 200.0, 1e30])
+    x = torch.cat((values, -values)).to(torch.bfloat16).unsqueeze(0)
+    packed = pack_weight(weight, gate_up=True)
+    out = linear(x, weight, None, packed)
+    expected = F.silu(x) * x
+    assert torch.equal(out.isinf(), expected.isinf())
+    finite = expected.isfinite()
+    assert bf16_ulps(out[finite], expected[finite]).max() <= 1
+
+
+@needs_amx
+def test_silu_and_mul_linear_module_with_amx_and_with_onednn():
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(9, 64, generator=g).to(torch.bfloat16)
+    weight = (torch.randn(256, 64, generator=g) * 0.1).to(torch.bfloat16)
+    expected = silu_and_mul(F.linear(x, weight))
+    for amx in (True, False):
+        cpu_kernels.set_amx_matmul(amx)
+        try:
+            layer = SiluAndMulLinear(64, 256, bias=False, dtype=torch.bfloat16)
+            layer.weight.data.copy_(weight)
+            layer.pack()
+        finally:
+            cpu_kernels.set_amx_matmul(True)
+        assert layer.packed.kind == ("amx" if amx else "onednn")
+        assert layer.packed.gate_up == amx  # oneDNN has no fused epilogue: SiLU runs after it
+        assert layer.weight.device.type == "meta"  # the plain copy is dropped either way
+        out = layer(x)
+        assert out.shape == (9, 128)
+        assert bf16_ulps(out, expected).max() <= 2
+
+
+def test_shapes_the_amx_matmul_does_not_take_go_to_onednn():
+    """N or K not a multiple of 32 (and anything on a CPU without AMX) is packed for oneDNN."""
+    g = torch.Generator().manual_seed(8)
+    for n, k in ((48, 64), (64, 40)):
+        weight = torch.randn(n, k, generator=g).to(torch.bfloat16)
+        assert cpu_kernels.pack_amx_weight(weight) is None
+        packed = pack_weight(weight)
+        assert packed.kind == "onednn"
+        x = torch.randn(5, k, generator=g).to(torch.bfloat16)
+        assert bf16_ulps(linear(x, weight, None, packed), F.linear(x, weight)).max() <= 1
+    assert cpu_kernels.pack_amx_weight(torch.randn(64, 64)) is None  # fp32: not this kernel
+
+
+@needs_amx
+def test_amx_linear_refuses_an_input_that_does_not_fit_the_weight():
+    packed = pack_weight(torch.randn(64, 32).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="does not fit"):
+        linear(torch.randn(4, 64).to(torch.bfloat16), torch.empty(0), None, packed)
+    with pytest.raises(ValueError, match="does not fit"):
+        linear(torch.randn(4, 32), torch.empty(0), None, packed)  # fp32 into a bf16 kernel
 
 
 def test_fp32_layer_weights_are_stored_transposed_not_packed():
@@ -405,7 +523,7 @@ def test_fp32_lm_head_packing_equals_f_linear():
     weight = torch.randn(1000, 64, generator=g)
     assert pack_weight(weight) is None  # only when asked for fp32
     packed = pack_weight(weight, (torch.bfloat16, torch.float32))
-    assert isinstance(packed, torch.Tensor)
+    assert packed.kind == "onednn"
     for rows in (1, 5, 64):
         x = torch.randn(rows, 64, generator=g)
         assert torch.allclose(linear(x, weight, None, packed), F.linear(x, weight), atol=1e-5)

@@ -1,5 +1,5 @@
 """CPU kernels in C (built on first use, see build.py): paged decode attention, the
-element-wise layer ops and greedy sampling. Each computes what its torch counterpart computes
+element-wise layer ops, greedy sampling and the bf16 matmul on AMX. Each computes what its torch counterpart computes
 (kernels/reference.py for attention, the modules of services/worker/models/llama.py and the
 sampler for the rest), which stands in for it where it cannot run: another device or dtype, no
 C compiler, or PAGODA_CPU_KERNELS=0."""
@@ -16,6 +16,8 @@ _SIGNATURES = {
     "rms_norm": ([_P, _I64, _P, _P, _P, _I64, _INT, _F], None),
     "rotary": ([_P, _I64, _P, _P, _I64, _INT, _INT, _I64], _INT),
     "greedy_sample": ([_P, _I64, _I64, _I64, _P, _P], None),
+    "matmul_amx_pack": ([_P, _I64, _I64, _INT, _P], _INT),
+    "matmul_amx": ([_P, _I64, _I64, _P, _P, _I64, _I64, _INT, _P], _INT),
 }
 _bound: dict[tuple[str, torch.dtype], object] = {}
 
@@ -142,3 +144,63 @@ def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _function("greedy_sample", logits.dtype)(logits.data_ptr(), logits.stride(0), rows, vocab,
                                              token_ids.data_ptr(), logprobs.data_ptr())
     return token_ids, logprobs
+
+
+_amx_on = True
+
+
+def set_amx_matmul(on: bool) -> None:
+    """Pack bf16 weights for the AMX matmul where it runs (default), or leave them to oneDNN, for
+    comparing the two on one machine. Applies to weights packed afterwards."""
+    global _amx_on
+    _amx_on = on
+
+
+def amx_available() -> bool:
+    """Whether the bf16 AMX matmul runs here: built for a CPU with AMX, and the OS grants it."""
+    lib = load()
+    return lib is not None and bool(lib.matmul_amx_available())
+
+
+def pack_amx_weight(weight: torch.Tensor, gate_up: bool = False) -> torch.Tensor | None:
+    """A bf16 weight [N, K] on the CPU rearranged for `amx_linear` (same size), or None where that
+    does not run: no AMX, another dtype or device, N or K not a multiple of 32. With `gate_up`
+    the weight is [gate; up] and the matmul returns SiLU(gate) * up."""
+    if (weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2
+            or not _amx_on or not amx_available()):
+        return None
+    n, k = weight.shape
+    if n % 32 or k % 32:
+        return None
+    weight = weight.detach().contiguous()
+    packed = torch.empty(n * k, dtype=torch.bfloat16)
+    rc = _function("matmul_amx_pack", torch.bfloat16)(weight.data_ptr(), n, k, int(gate_up),
+                                                       packed.data_ptr())
+    assert rc == 0, rc
+    return packed
+
+
+def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+               out_features: int, gate_up: bool = False) -> torch.Tensor:
+    """x [..., K] bf16 @ W^T (+ bias) with W packed by `pack_amx_weight`: [..., out_features],
+    or [..., out_features / 2] = SiLU(gate) * up for a `gate_up` weight. (Called ~200 times a
+    decode step: the checks are the ones the C code cannot make.)"""
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    num_rows, k = rows.shape
+    if x.dtype != torch.bfloat16 or packed.numel() != out_features * k:
+        raise ValueError(f"amx matmul: x {tuple(x.shape)} {x.dtype} does not fit a packed "
+                         f"weight of {out_features} x {packed.numel() // out_features}")
+    if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (out_features,)
+                             or bias.stride(0) != 1):
+        raise ValueError(f"amx matmul: bias must be contiguous bf16 [{out_features}]")
+    out = torch.empty(num_rows, out_features // 2 if gate_up else out_features,
+                      dtype=torch.bfloat16)
+    rc = _function("matmul_amx", torch.bfloat16)(
+        rows.data_ptr(), rows.stride(0), num_rows, packed.data_ptr(),
+        None if bias is None else bias.data_ptr(), out_features, k, gate_up, out.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"amx matmul cannot run [{num_rows}, {k}] x [{out_features}, {k}]^T "
+                           f"(error {rc})")
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[1])

@@ -20,8 +20,9 @@ from shared.logging import get_logger
 
 log = get_logger("kernels")
 
-SOURCES = ("paged_attention.c", "paged_attention_avx512.c", "layer_ops.c", "sampling.c")
-HEADERS = ("common.h", "paged_attention.h")
+SOURCES = ("paged_attention.c", "paged_attention_avx512.c", "layer_ops.c", "sampling.c",
+           "matmul_amx.c")
+HEADERS = ("common.h", "paged_attention.h", "exp_avx512.h")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
 
 _lock = threading.Lock()

@@ -1,0 +1,30 @@
+/* exp on 16 floats with AVX-512, shared by the kernels that need it in vector form. */
+#ifndef PAGODA_CPU_EXP_AVX512_H
+#define PAGODA_CPU_EXP_AVX512_H
+
+#include <immintrin.h>
+
+/* common.h's exp_approx on 16 lanes: the same range reduction and polynomial, 2^k by scalef.
+ * As there: 0 below -87 (so exp(-inf), a softmax's first rescaling, is exactly 0), +inf past
+ * ~88.7 (as expf), NaN kept. */
+static inline __m512 exp16(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.0f);
+    const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    const __m512 c = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(89.0f)); /* e^89: inf */
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(c, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), c);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    const __m512 y = _mm512_maskz_mov_ps((__mmask16)~under, _mm512_scalef_ps(p, k));
+    return _mm512_mask_mov_ps(y, nan, x);
+}
+
+#endif
