@@ -6,6 +6,7 @@ import json
 import os
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -149,3 +150,20 @@ def test_a_vllm_peer_that_dies_at_start_is_a_clear_error(tmp_path, monkeypatch):
     config = EngineArgs(max_model_len=64).create_engine_config()
     with pytest.raises(SystemExit, match="vLLM baseline failed"):
         throughput.VllmPeer(sys.executable, config, 4, [[[1, 2]]])
+
+
+def test_wait_until_idle_waits_for_a_busy_process_tree_to_go_quiet():
+    """A child that spins for ~1 s and then sleeps: the wait ends after the spin, not before."""
+    import subprocess
+    code = "import time\nt = time.time()\nwhile time.time() - t < 1.0: pass\ntime.sleep(30)"
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        time.sleep(0.2)
+        cpu_before = throughput.process_tree_cpu_s(proc.pid)
+        waited = throughput.wait_until_idle(proc.pid)
+        assert 0.5 <= waited < 10
+        assert throughput.process_tree_cpu_s(proc.pid) - cpu_before >= 0.5  # it did spin
+        assert throughput.wait_until_idle(proc.pid) < 1  # quiet now: one window
+    finally:
+        proc.kill()
+        proc.wait()

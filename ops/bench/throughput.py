@@ -222,6 +222,42 @@ def hf_folder_for(model_config) -> str:
     return folder
 
 
+def process_tree_cpu_s(pid: int) -> float:
+    """CPU seconds used so far by a process, its threads and its descendants (Linux /proc)."""
+    import glob
+    import os
+    total, pending = 0, [pid]
+    while pending:
+        p = pending.pop()
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+            for children in glob.glob(f"/proc/{p}/task/*/children"):
+                with open(children) as f:
+                    pending += [int(c) for c in f.read().split()]
+        except (OSError, ValueError):
+            continue  # gone meanwhile
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def wait_until_idle(pid: int, below_cores: float = 0.1, window_s: float = 0.25,
+                    timeout_s: float = 30.0) -> float:
+    """Waits until the process tree uses under `below_cores` over a window -> seconds waited."""
+    import os
+    if not os.path.exists(f"/proc/{pid}/stat"):
+        return 0.0
+    start = time.perf_counter()
+    last = process_tree_cpu_s(pid)
+    while time.perf_counter() - start < timeout_s:
+        time.sleep(window_s)
+        now = process_tree_cpu_s(pid)
+        if now - last < below_cores * window_s:
+            break
+        last = now
+    return time.perf_counter() - start
+
+
 class VllmPeer:
     """vLLM's offline LLM in its own interpreter (ops/bench/vllm_peer.py), kept running between
     its runs: prompts go to it on its stdin, each run's time comes back on a pipe."""
@@ -260,6 +296,7 @@ class VllmPeer:
         self.proc.stdin.write(json.dumps(job) + "\n")
         self.proc.stdin.flush()
         self.info = self._reply()
+        self.idle_waits_s: list[float] = [wait_until_idle(self.proc.pid)]
 
     def _reply(self) -> dict:
         line = self.replies.readline()
@@ -273,10 +310,13 @@ class VllmPeer:
         self.proc.stdin.write(json.dumps({"prompts": prompts}) + "\n")
         self.proc.stdin.flush()
         r = self._reply()
+        # vLLM's processes keep a core busy for a second or so after a run (polling for the
+        # next one); the next system's run starts once they are quiet.
+        self.idle_waits_s.append(wait_until_idle(self.proc.pid))
         return r["seconds"], r["output_tokens"]
 
     def report(self) -> dict:
-        return dict(self.info)
+        return {**self.info, "idle_waits_s": self.idle_waits_s}
 
     def close(self) -> None:
         self.proc.stdin.close()
