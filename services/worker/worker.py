@@ -5,6 +5,7 @@ import torch
 from proto.messages import ExecuteModelRequest, SamplerOutput
 from shared.config import PagodaConfig
 from services.worker.cache_engine import CacheEngine
+from services.worker.host_memory import keep_freed_memory
 from services.worker.model_runner import ModelRunner
 
 log = structlog.get_logger("worker")
@@ -24,6 +25,8 @@ class Worker:
         torch.manual_seed(self.config.model_config.seed)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        elif self.device.type == "cpu":
+            keep_freed_memory()  # activations reuse their pages step after step
 
     def load_model(self) -> None:
         self.model_runner.load_model()
