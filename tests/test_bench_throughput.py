@@ -124,7 +124,11 @@ def test_the_vllm_peer_takes_prompts_per_run_and_answers_on_its_pipe(tmp_path, m
     peer = throughput.VllmPeer(sys.executable, config, 4, workloads)
     try:
         assert peer.report()["version"] == "0.0-stand-in" and peer.report()["startup_s"] >= 0
-        runs = [peer.run(prompts) for prompts in workloads]
+        runs = []
+        for prompts in workloads:
+            runs.append(peer.run(prompts))
+            # Between its runs the peer is stopped: nothing of it runs beside the next system.
+            assert all(process_state(p) == "T" for p in throughput.process_tree(peer.proc.pid))
     finally:
         peer.close()
     assert peer.proc.returncode == 0  # stdin's end stopped it
@@ -138,6 +142,11 @@ def test_the_vllm_peer_takes_prompts_per_run_and_answers_on_its_pipe(tmp_path, m
     assert calls[1] == {"generate": [[5, 6, 7], [8, 9]], "max_tokens": 2}  # the warm-up
     assert [c["generate"] for c in calls[2:]] == workloads
     assert all(c["max_tokens"] == 4 for c in calls[2:])
+
+
+def process_state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
 
 
 def test_a_vllm_peer_that_dies_at_start_is_a_clear_error(tmp_path, monkeypatch):

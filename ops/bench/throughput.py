@@ -222,23 +222,43 @@ def hf_folder_for(model_config) -> str:
     return folder
 
 
-def process_tree_cpu_s(pid: int) -> float:
-    """CPU seconds used so far by a process, its threads and its descendants (Linux /proc)."""
+def process_tree(pid: int) -> list[int]:
+    """A process and its descendants (Linux /proc; just the process elsewhere)."""
     import glob
-    import os
-    total, pending = 0, [pid]
+    tree, pending = [], [pid]
     while pending:
         p = pending.pop()
+        tree.append(p)
+        for children in glob.glob(f"/proc/{p}/task/*/children"):
+            try:
+                with open(children) as f:
+                    pending += [int(c) for c in f.read().split()]
+            except (OSError, ValueError):
+                continue  # gone meanwhile
+    return tree
+
+
+def process_tree_cpu_s(pid: int) -> float:
+    """CPU seconds used so far by a process, its threads and its descendants (Linux /proc)."""
+    import os
+    total = 0
+    for p in process_tree(pid):
         try:
             with open(f"/proc/{p}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
             total += int(fields[11]) + int(fields[12])  # utime, stime
-            for children in glob.glob(f"/proc/{p}/task/*/children"):
-                with open(children) as f:
-                    pending += [int(c) for c in f.read().split()]
         except (OSError, ValueError):
             continue  # gone meanwhile
     return total / os.sysconf("SC_CLK_TCK")
+
+
+def signal_tree(pid: int, sig: int) -> None:
+    import os
+    for p in process_tree(pid):
+        try:
+            os.kill(p, sig)
+        except ProcessLookupError:
+            pass
 
 
 def wait_until_idle(pid: int, below_cores: float = 0.1, window_s: float = 0.25,
@@ -259,8 +279,12 @@ def wait_until_idle(pid: int, below_cores: float = 0.1, window_s: float = 0.25,
 
 
 class VllmPeer:
-    """vLLM's offline LLM in its own interpreter (ops/bench/vllm_peer.py), kept running between
-    its runs: prompts go to it on its stdin, each run's time comes back on a pipe."""
+    """vLLM's offline LLM in its own interpreter (ops/bench/vllm_peer.py), kept loaded between
+    its runs: prompts go to it on its stdin, each run's time comes back on a pipe. Between its
+    runs its processes are stopped (SIGSTOP): idle, they still wake every few milliseconds on
+    the cores the other system's threads run on, which costs a system whose threads meet at a
+    barrier after every op far more than the CPU time they take (measured here: pagoda ~12%
+    slower beside an idle vLLM)."""
 
     name = "vllm"
 
@@ -297,6 +321,7 @@ class VllmPeer:
         self.proc.stdin.flush()
         self.info = self._reply()
         self.idle_waits_s: list[float] = [wait_until_idle(self.proc.pid)]
+        self._pause()
 
     def _reply(self) -> dict:
         line = self.replies.readline()
@@ -306,19 +331,30 @@ class VllmPeer:
                              "above")
         return json.loads(line)
 
+    def _pause(self) -> None:
+        import signal
+        signal_tree(self.proc.pid, signal.SIGSTOP)
+
+    def _resume(self) -> None:
+        import signal
+        signal_tree(self.proc.pid, signal.SIGCONT)
+
     def run(self, prompts: list[list[int]]) -> tuple[float, int]:
+        self._resume()
         self.proc.stdin.write(json.dumps({"prompts": prompts}) + "\n")
         self.proc.stdin.flush()
         r = self._reply()
         # vLLM's processes keep a core busy for a second or so after a run (polling for the
-        # next one); the next system's run starts once they are quiet.
+        # next one); they are stopped once quiet, before the next system's run.
         self.idle_waits_s.append(wait_until_idle(self.proc.pid))
+        self._pause()
         return r["seconds"], r["output_tokens"]
 
     def report(self) -> dict:
         return {**self.info, "idle_waits_s": self.idle_waits_s}
 
     def close(self) -> None:
+        self._resume()
         self.proc.stdin.close()
         try:
             self.proc.wait(timeout=120)
