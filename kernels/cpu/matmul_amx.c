@@ -29,7 +29,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include "exp_avx512.h"
+#include "avx512.h"
 
 #define PANEL 32          /* output columns per panel: two 16-column B tiles */
 #define KSTEP 32          /* K values per tile row: 64 bytes of bf16 */
@@ -75,15 +75,8 @@ int matmul_amx_pack_bf16(const uint16_t *w, int64_t n, int64_t k, int gate_up, u
     return 0;
 }
 
-static inline __m512 round_bf16(__m512 v) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
-}
-
 static inline __m512 bias16(const uint16_t *bias) {
-    return bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                      _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)bias)), 16))
-                : _mm512_setzero_ps();
+    return bias ? load16_bf16(bias) : _mm512_setzero_ps();
 }
 
 /* One row of a finished block: acc0/acc1 are its 16 + 16 accumulators. */
@@ -93,18 +86,18 @@ static inline void write_row(const float *acc0, const float *acc1, const uint16_
         const __m512 v0 = _mm512_add_ps(_mm512_loadu_ps(acc0), bias16(bias ? bias + p * PANEL : 0));
         const __m512 v1 = _mm512_add_ps(_mm512_loadu_ps(acc1),
                                         bias16(bias ? bias + p * PANEL + 16 : 0));
-        _mm512_storeu_si512(y_row + p * PANEL, (__m512i)_mm512_cvtne2ps_pbh(v1, v0));
+        store16_bf16_rne(y_row + p * PANEL, v0);
+        store16_bf16_rne(y_row + p * PANEL + 16, v1);
         return;
     }
     /* As the Hugging Face model in bf16: gate and up rounded, SiLU rounded, product rounded. */
-    const __m512 gate = round_bf16(_mm512_add_ps(_mm512_loadu_ps(acc0),
+    const __m512 gate = round16_bf16(_mm512_add_ps(_mm512_loadu_ps(acc0),
                                                  bias16(bias ? bias + p * 16 : 0)));
-    const __m512 up = round_bf16(_mm512_add_ps(_mm512_loadu_ps(acc1),
+    const __m512 up = round16_bf16(_mm512_add_ps(_mm512_loadu_ps(acc1),
                                                bias16(bias ? bias + n / 2 + p * 16 : 0)));
     const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate));
-    const __m512 silu = round_bf16(_mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
-    _mm256_storeu_si256((__m256i *)(y_row + p * 16),
-                        (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(silu, up)));
+    const __m512 silu = round16_bf16(_mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+    store16_bf16_rne(y_row + p * 16, _mm512_mul_ps(silu, up));
 }
 
 /* y [m, n] (or [m, n/2] with gate_up) = x [m, k] (rows x_stride apart) W^T + bias, W packed by

@@ -28,15 +28,10 @@ void set_attention_simd(int on) { pagoda_attention_simd = on; }
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
-#include "exp_avx512.h"
+#include "avx512.h"
 
 #define TILE 16
 #define ITEM_HEADS 16 /* query heads per work item at most: bounds each item's stack frame */
-
-static inline __m512 load16_bf16(const uint16_t *p) {
-    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
 
 /* A row of nd * 16 values (a query head or a cached key) as float vectors. (Multiplying bf16
  * pairs with vdpbf16ps, skipping the conversion, measured no faster.) */

@@ -1,8 +1,29 @@
-/* exp on 16 floats with AVX-512, shared by the kernels that need it in vector form. */
-#ifndef PAGODA_CPU_EXP_AVX512_H
-#define PAGODA_CPU_EXP_AVX512_H
+/* AVX-512 helpers shared by the kernels: bf16 <-> float on 16 lanes, and exp. */
+#ifndef PAGODA_CPU_AVX512_H
+#define PAGODA_CPU_AVX512_H
+
+#include <stdint.h>
 
 #include <immintrin.h>
+
+static inline __m512 widen16_bf16(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline __m512 load16_bf16(const uint16_t *p) {
+    return widen16_bf16(_mm256_loadu_si256((const __m256i *)p));
+}
+
+#if defined(__AVX512BF16__)
+/* Rounded to nearest even, NaN kept quiet: what float_to_bf16 (common.h) does to each lane. */
+static inline __m256i pack16_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+
+static inline __m512 round16_bf16(__m512 v) { return widen16_bf16(pack16_bf16(v)); }
+
+static inline void store16_bf16_rne(uint16_t *p, __m512 v) {
+    _mm256_storeu_si256((__m256i *)p, pack16_bf16(v));
+}
+#endif
 
 /* common.h's exp_approx on 16 lanes: the same range reduction and polynomial, 2^k by scalef.
  * As there: 0 below -87 (so exp(-inf), a softmax's first rescaling, is exactly 0), +inf past
