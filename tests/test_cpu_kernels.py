@@ -263,15 +263,16 @@ def test_rms_norm_bf16_rounds_as_hugging_face(rows, hidden):
     assert ulps.max() <= 1 and (ulps == 0).float().mean() > 0.99
 
 
+@pytest.mark.parametrize("hidden", [128, 72])  # 72: the portable loop, not the 16-lane one
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_with_residual_adds_it_in_place_and_normalises_the_sum(dtype):
-    x, weight, residual = norm_inputs(9, 128, dtype)
+def test_rms_norm_with_residual_adds_it_in_place_and_normalises_the_sum(dtype, hidden):
+    x, weight, residual = norm_inputs(9, hidden, dtype)
     before = residual.clone()
     out = cpu_kernels.rms_norm(x, weight, 1e-5, residual)
     total = x + before  # in the dtype, as the model adds them
     assert torch.equal(residual, total)
     if dtype == torch.float32:
-        torch.testing.assert_close(out, F.rms_norm(total, (128,), weight, 1e-5), atol=1e-6,
+        torch.testing.assert_close(out, F.rms_norm(total, (hidden,), weight, 1e-5), atol=1e-6,
                                    rtol=1e-6)
     else:
         assert bf16_ulps(out, hf_rms_norm(total, weight, 1e-5)).max() <= 1
@@ -359,12 +360,15 @@ def test_rotary_embedding_module_with_the_kernels_on_and_off(dtype, monkeypatch)
         torch.testing.assert_close(on, off, atol=1e-2, rtol=1.6e-2)
 
 
-def test_rotary_refuses_positions_outside_its_table():
-    rope = RotaryEmbedding(tiny_llama_config(), 64, 32, torch.float32)
-    _, qk = fused_qkv(2, 2, 1, 64, torch.float32)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_refuses_positions_outside_its_table(dtype):
+    rope = RotaryEmbedding(tiny_llama_config(), 64, 32, dtype)
+    _, qk = fused_qkv(2, 2, 1, 64, dtype)
+    before = qk.clone()
     for positions in ([0, 32], [-1, 3]):
         with pytest.raises(IndexError):
             cpu_kernels.rotary_(qk, torch.tensor(positions), rope.cos_sin)
+    assert torch.equal(qk, before)  # refused before anything was written
 
 
 # --- packed linear -----------------------------------------------------------------------------

@@ -17,7 +17,7 @@ ALLOCATE = """
     def faults():
         return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
-    sizes = (1 << 20, 3 << 20)  # 4 and 12 MiB: a step's logits, in bf16 and in float32
+    sizes = (1 << 20, 3 << 20)  # float32 tensors of 4 and 12 MiB, a step's logits' sizes
     for _ in range(5):  # whatever the first allocations of each size cost
         for numel in sizes:
             torch.empty(numel).fill_(1.0)
@@ -44,9 +44,9 @@ def test_freed_activation_memory_is_reused_rather_than_faulted_in_again():
     glibc_start = allocate((128 << 10, 128 << 10, 0))
     tuned = allocate(())  # the worker's settings
     assert glibc_start["taken"] is True and tuned["taken"] is True  # glibc here
-    # Fresh mmaps each time: their pages fault in again, every round (dozens where transparent
-    # huge pages serve much of them, thousands without).
-    assert glibc_start["faults"] >= 16
+    # Fresh mmaps each time: their pages fault in again, every round (8 where transparent huge
+    # pages serve all of it, dozens where they serve some, thousands without).
+    assert glibc_start["faults"] >= 4
     assert tuned["faults"] <= 1
 
 

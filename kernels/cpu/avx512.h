@@ -15,7 +15,9 @@ static inline __m512 load16_bf16(const uint16_t *p) {
 }
 
 #if defined(__AVX512BF16__)
-/* Rounded to nearest even, NaN kept quiet: what float_to_bf16 (common.h) does to each lane. */
+/* Rounded to nearest even, NaN kept quiet, as float_to_bf16 (common.h) rounds each lane, except
+ * that the instruction flushes subnormal inputs and results to zero (no model value is that
+ * small). */
 static inline __m256i pack16_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
 
 static inline __m512 round16_bf16(__m512 v) { return widen16_bf16(pack16_bf16(v)); }
@@ -26,8 +28,8 @@ static inline void store16_bf16_rne(uint16_t *p, __m512 v) {
 #endif
 
 /* common.h's exp_approx on 16 lanes: the same range reduction and polynomial, 2^k by scalef.
- * As there: 0 below -87 (so exp(-inf), a softmax's first rescaling, is exactly 0), +inf past
- * ~88.7 (as expf), NaN kept. */
+ * 0 below -87 (so exp(-inf), a softmax's first rescaling, is exactly 0), +inf past ~88.7 (as
+ * expf; exp_approx goes to +inf from 88), NaN kept. */
 static inline __m512 exp16(__m512 x) {
     const __m512 lo = _mm512_set1_ps(-87.0f);
     const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);

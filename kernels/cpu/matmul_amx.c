@@ -48,7 +48,8 @@ typedef struct {
 } tile_config;
 
 int matmul_amx_available(void) {
-    /* Linux hands out AMX state per process on request; asked once (under the GIL). */
+    /* Linux hands out AMX state per process on request; asked once (a race would only ask
+     * twice: the request is idempotent). */
     static int state = -1;
     if (state < 0)
         state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;

@@ -7,8 +7,8 @@ the same run: `--baseline hf` runs transformers' `generate` with static, left-pa
 (vLLM lives in its own venv; the model is handed to it as a Hugging Face folder, exported from
 a GGUF file when that is what pagoda serves). `--repeats N` runs every system N times, each
 time on fresh prompts, and reports the median run. pagoda and the baselines stay loaded and take
-turns, one run each per round, so that a machine whose speed drifts slows them alike; each
-round's ratio is kept beside the ratio of the medians.
+turns, one run each per round (each round led by the next system), so that a machine whose speed
+drifts slows them alike; each round's ratio is kept beside the ratio of the medians.
 """
 import argparse
 import json
@@ -95,10 +95,11 @@ class PagodaRunner:
 
 def run_alternating(systems: list, workloads: list[list[list[int]]]) -> dict[str, dict]:
     """Each workload on every system in turn (a round), so that drift in the machine's speed
-    reaches all of them alike. -> per system: every run's time and the output token count."""
+    reaches all of them alike; each round starts with the next system, so that none always runs
+    first. -> per system: every run's time and the output token count."""
     results = {system.name: {"runs_s": []} for system in systems}
-    for prompts in workloads:
-        for system in systems:
+    for i, prompts in enumerate(workloads):
+        for system in systems[i % len(systems):] + systems[:i % len(systems)]:
             seconds, n_out = system.run(prompts)
             results[system.name]["runs_s"].append(seconds)
             results[system.name]["output_tokens"] = n_out
@@ -283,8 +284,10 @@ class VllmPeer:
     its runs: prompts go to it on its stdin, each run's time comes back on a pipe. Between its
     runs its processes are stopped (SIGSTOP): idle, they still wake every few milliseconds on
     the cores the other system's threads run on, which costs a system whose threads meet at a
-    barrier after every op far more than the CPU time they take (measured here: pagoda ~12%
-    slower beside an idle vLLM)."""
+    barrier after every op far more than the CPU time they take (measured here: pagoda 5-15%
+    slower beside an idle vLLM). Whatever ends the benchmark, the peer's processes are killed,
+    not left stopped: by `close`, and if this process dies first the kernel kills the peer
+    (it asks for SIGKILL on its parent's death)."""
 
     name = "vllm"
 
@@ -315,21 +318,38 @@ class VllmPeer:
         print(f"vLLM: {python} {script} (start-up takes a minute or two)", flush=True)
         self.proc = subprocess.Popen([python, script], stdin=subprocess.PIPE, text=True, env=env,
                                      pass_fds=(write_fd,))
-        os.close(write_fd)  # the peer holds it now: its exit ends our reads
+        os.close(write_fd)  # the peer (and the processes it forks) hold it now
         self.replies = os.fdopen(read_fd)
-        self.proc.stdin.write(json.dumps(job) + "\n")
-        self.proc.stdin.flush()
-        self.info = self._reply()
-        self.idle_waits_s: list[float] = [wait_until_idle(self.proc.pid)]
-        self._pause()
+        try:
+            self.proc.stdin.write(json.dumps(job) + "\n")
+            self.proc.stdin.flush()
+            self.info = self._reply()
+            self.idle_waits_s: list[float] = [wait_until_idle(self.proc.pid)]
+            self._pause()
+        except BaseException:
+            self._kill()
+            raise
 
     def _reply(self) -> dict:
-        line = self.replies.readline()
+        """The peer's next line; a clear error once it has exited. (Waits in slices: the pipe
+        does not close when the peer dies while processes it forked live on.)"""
+        import select
+        while not select.select([self.replies], [], [], 1.0)[0]:
+            if self.proc.poll() is not None:
+                break
+        line = self.replies.readline() if self.proc.poll() is None else ""
         if not line:
-            self.proc.wait(timeout=60)
+            self._kill()
             raise SystemExit(f"vLLM baseline failed (exit {self.proc.returncode}); its log is "
                              "above")
         return json.loads(line)
+
+    def _kill(self) -> None:
+        """The peer's whole process tree, stopped or not."""
+        import signal
+        signal_tree(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self.replies.close()
 
     def _pause(self) -> None:
         import signal
@@ -354,13 +374,19 @@ class VllmPeer:
         return {**self.info, "idle_waits_s": self.idle_waits_s}
 
     def close(self) -> None:
+        """Ends the peer: stdin's end stops it; what has not exited within two minutes (or a
+        peer that is gone already) is killed with its children."""
+        if self.proc.poll() is not None:
+            self._kill()
+            return
+        import subprocess
         self._resume()
-        self.proc.stdin.close()
         try:
+            self.proc.stdin.close()
             self.proc.wait(timeout=120)
-        except Exception:
-            self.proc.kill()
-        self.replies.close()
+        except (OSError, subprocess.TimeoutExpired):  # a broken pipe, or it did not end in time
+            pass
+        self._kill()
 
 
 def run(args: argparse.Namespace) -> int:

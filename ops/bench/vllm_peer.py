@@ -14,7 +14,17 @@ import sys
 import time
 
 
+def die_with_parent() -> None:
+    """SIGKILL when the benchmark's process dies, even while stopped between its runs (Linux)."""
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    except (OSError, AttributeError):
+        pass
+
+
 def main() -> None:
+    die_with_parent()
     job = json.loads(sys.stdin.readline())
     reply = os.fdopen(job["reply_fd"], "w", buffering=1)
     import vllm

@@ -4,8 +4,9 @@ A decode step allocates and frees the same few hundred activation tensors (tens 
 KiB each) in every step. With glibc's defaults, a chunk above the mmap threshold (128 KiB at
 first) is a fresh mmap, and the top of the heap goes back to the OS once 128 KiB of it is free,
 so the same pages are faulted in and zeroed again step after step. Raising both keeps them in
-the process: 4-7% more decode throughput on the default model (bf16, batch 64, measured in
-alternating runs), for at most `trim_threshold` of freed memory kept around.
+the process: 2-4% more throughput on the benchmark workload (default model, bf16, measured in
+alternating runs), for freed memory kept around: up to `trim_threshold` at the top of the heap
+(plus `top_pad` on each growth), and freed chunks below it as glibc always keeps them.
 """
 import ctypes
 
