@@ -13,6 +13,14 @@
 
 #include "common.h"
 
+/* Whether every position indexes the rotary table (which the loops then index unchecked). */
+static inline int positions_in_table(const int64_t *positions, int64_t tokens,
+                                     int64_t max_positions) {
+    for (int64_t t = 0; t < tokens; t++)
+        if (positions[t] < 0 || positions[t] >= max_positions) return 0;
+    return 1;
+}
+
 #define DEFINE_RMS_NORM(NAME, T, TO_F, FROM_F)                                                   \
 /* out = x / rms(x) * weight; with `residual` non-NULL, first residual += x (rounded to T) and   \
  * the sum is normalised (vLLM's fused_add_rms_norm). x may alias out. */                       \
@@ -50,8 +58,7 @@ void NAME(const T *x, int64_t x_stride, T *residual, const T *weight, T *out, in
  * [cos, cos] and [-sin, sin] (the Hugging Face / GPT-NeoX halves layout). */                    \
 int NAME(T *x, int64_t x_stride, const int64_t *positions, const T *cos_sin, int64_t tokens,    \
          int heads, int head_dim, int64_t max_positions) {                                      \
-    for (int64_t t = 0; t < tokens; t++) /* the table is indexed unchecked below */              \
-        if (positions[t] < 0 || positions[t] >= max_positions) return -1;                       \
+    if (!positions_in_table(positions, tokens, max_positions)) return -1;                      \
     const int half = head_dim / 2;                                                              \
     _Pragma("omp parallel for schedule(static) if(tokens * heads * head_dim >= PARALLEL_GRAIN)")\
     for (int64_t t = 0; t < tokens; t++) {                                                      \
@@ -111,7 +118,7 @@ static void rms_norm_bf16_simd(const uint16_t *x, int64_t x_stride, uint16_t *re
     }
 }
 
-/* rotary_bf16_portable on 16 lanes, for head_dim a multiple of 32; positions checked. */
+/* rotary_bf16_portable on 16 lanes, for head_dim a multiple of 32; positions checked first. */
 static void rotary_bf16_simd(uint16_t *x, int64_t x_stride, const int64_t *positions,
                              const uint16_t *cos_sin, int64_t tokens, int heads, int head_dim) {
     const int half = head_dim / 2;
@@ -123,8 +130,9 @@ static void rotary_bf16_simd(uint16_t *x, int64_t x_stride, const int64_t *posit
             uint16_t *v = x + t * x_stride + (int64_t)h * head_dim;
             for (int i = 0; i < half; i += 16) {
                 const __m512 a = load16_bf16(v + i), b = load16_bf16(v + i + half);
-                const __m512 lo = _mm512_add_ps(round16_bf16(_mm512_mul_ps(a, load16_bf16(cos + i))),
-                                                round16_bf16(_mm512_mul_ps(b, load16_bf16(sin + i))));
+                const __m512 lo = _mm512_add_ps(
+                    round16_bf16(_mm512_mul_ps(a, load16_bf16(cos + i))),
+                    round16_bf16(_mm512_mul_ps(b, load16_bf16(sin + i))));
                 const __m512 hi = _mm512_add_ps(
                     round16_bf16(_mm512_mul_ps(b, load16_bf16(cos + i + half))),
                     round16_bf16(_mm512_mul_ps(a, load16_bf16(sin + i + half))));
@@ -154,8 +162,7 @@ int rotary_bf16(uint16_t *x, int64_t x_stride, const int64_t *positions, const u
                 int64_t tokens, int heads, int head_dim, int64_t max_positions) {
 #if LAYER_OPS_SIMD
     if (head_dim % 32 == 0) {
-        for (int64_t t = 0; t < tokens; t++) /* the table is indexed unchecked below */
-            if (positions[t] < 0 || positions[t] >= max_positions) return -1;
+        if (!positions_in_table(positions, tokens, max_positions)) return -1;
         rotary_bf16_simd(x, x_stride, positions, cos_sin, tokens, heads, head_dim);
         return 0;
     }

@@ -428,9 +428,10 @@ def run(args: argparse.Namespace) -> int:
         for system in systems:
             system.close()
 
+    for measured in results.values():
+        measured.update(_rates(measured, args.num_prompts, total_in))
     r = results["pagoda"]
     flops_per_token = 2 * r["num_params"]
-    r.update(_rates(r, args.num_prompts, total_in))
     r["fraction_of_matmul_peak"] = flops_per_token * r["total_tok_s"] / (peak * 1e9)
     result["pagoda"] = r
     _print("pagoda", r)
@@ -449,31 +450,32 @@ def run(args: argparse.Namespace) -> int:
               f"of step time over {st['worker_steps_all_runs']} steps")
 
     if "vllm" in results:
-        v = results["vllm"]
-        v.update(_rates(v, args.num_prompts, total_in))
-        result["vllm"] = v
+        v = result["vllm"] = results["vllm"]
         _print(f"vLLM {v['version']} (its offline LLM, started in {v['startup_s']:.0f} s)", v)
-        result["ratio_vs_vllm_output_tok_s"] = r["output_tok_s"] / v["output_tok_s"]
-        result["ratio_vs_vllm_by_round"] = _round_ratios(r, v)
-        print(f"ratio pagoda / vLLM (output tok/s): {result['ratio_vs_vllm_output_tok_s']:.2f}x"
-              + _by_round(result["ratio_vs_vllm_by_round"])
+        print(_compare(result, "vllm", "vLLM", "ratio_vs_vllm_output_tok_s",
+                       "ratio_vs_vllm_by_round")
               + (f"; stack / vLLM: {result['stack']['output_tok_s'] / v['output_tok_s']:.2f}x"
                  if "stack" in result else ""))
 
     if "hf" in results:
-        h = results["hf"]
-        h.update(_rates(h, args.num_prompts, total_in))
-        result["hf"] = h
-        _print(f"transformers (static batches of {args.hf_batch_size})", h)
-        result["ratio_output_tok_s"] = r["output_tok_s"] / h["output_tok_s"]
-        result["ratio_by_round"] = _round_ratios(r, h)
-        print(f"ratio pagoda / transformers (output tok/s): {result['ratio_output_tok_s']:.2f}x"
-              + _by_round(result["ratio_by_round"]))
+        result["hf"] = results["hf"]
+        _print(f"transformers (static batches of {args.hf_batch_size})", results["hf"])
+        print(_compare(result, "hf", "transformers", "ratio_output_tok_s", "ratio_by_round"))
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2, default=str)
         print(f"saved {args.output_json}")
     return 0
+
+
+def _compare(result: dict, baseline: str, label: str, ratio_key: str, rounds_key: str) -> str:
+    """pagoda against a baseline in `result`: the ratio of the medians and each round's ratio,
+    stored under the given keys -> the line that reports them."""
+    r, b = result["pagoda"], result[baseline]
+    result[ratio_key] = r["output_tok_s"] / b["output_tok_s"]
+    result[rounds_key] = _round_ratios(r, b)
+    return (f"ratio pagoda / {label} (output tok/s): {result[ratio_key]:.2f}x"
+            + _by_round(result[rounds_key]))
 
 
 def _round_ratios(pagoda: dict, baseline: dict) -> list[float]:

@@ -8,8 +8,8 @@
   costs as much as the product (measured, 30 layers of the default model at batch 64: 1.6x
   faster packed; the same at 2048 tokens).
 - fp32: the weight is stored [in, out] (the parameter becomes a transposed view of a copy made
-  once at load, same values): MKL's sgemm is ~12% faster at batch 64 with that layout and the same at 1-2048
-  tokens. oneDNN's fp32 packing is slower on prompt-sized batches, so only the LM head, which
+  once at load, same values): MKL's sgemm is ~12% faster at batch 64 with that layout and the
+  same at 1-2048 tokens. oneDNN's fp32 packing is slower on prompt-sized batches, so only the LM head, which
   only ever sees the sampled rows, is packed in fp32 (1.3x).
 Elsewhere (GPU, fp16) weights stay as loaded and F.linear runs. A packed weight's plain copy is
 dropped (`drop_plain_weight`): only its shape and dtype remain.
