@@ -59,3 +59,127 @@ def test_the_cpu_worker_applies_them_when_it_starts(monkeypatch):
     assert config.device_config.device.type == "cpu"
     worker_module.Worker(config).init_device()
     assert calls == [True]
+
+
+# -- huge pages ----------------------------------------------------------------------------------
+def _thp_offered() -> bool:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            mode = f.read()
+    except OSError:
+        return False
+    return "[always]" in mode or "[madvise]" in mode
+
+
+def _mapping_of(address: int) -> dict | None:
+    """The /proc/self/smaps entry of the mapping holding `address`: its range and kB fields."""
+    entry = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5:  # a mapping's first line
+                if entry is not None:
+                    return entry
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                entry = {"range": (lo, hi)} if lo <= address < hi else None
+            elif entry is not None and head[0].endswith(":") and len(head) >= 2:
+                entry[head[0][:-1]] = int(head[1]) if head[1].isdigit() else head[1]
+    return entry
+
+
+def test_arena_tensors_are_page_aligned_and_do_not_overlap():
+    import torch
+    from services.worker.host_memory import HugePageArena
+    arena = HugePageArena(chunk_bytes=8 << 20)
+    shapes = [((3, 100), torch.bfloat16), ((1000,), torch.float32), ((5 << 20,), torch.uint8),
+              ((2, 7, 16, 3, 64), torch.bfloat16), ((9 << 20,), torch.uint8)]  # the last > chunk
+    tensors = [arena.empty(shape, dtype) for shape, dtype in shapes]
+    for i, (t, (shape, dtype)) in enumerate(zip(tensors, shapes)):
+        assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
+        assert t.data_ptr() % 4096 == 0
+        t.fill_(i + 1)
+    for i, t in enumerate(tensors):  # nothing written later landed in an earlier tensor
+        assert torch.all(t == i + 1), i
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors)
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+
+
+def test_arena_memory_is_backed_by_huge_pages_where_the_kernel_offers_them():
+    import pytest
+    import torch
+    from services.worker.host_memory import HUGE_PAGE, HugePageArena
+    if not _thp_offered():
+        pytest.skip("this kernel offers no transparent huge pages")
+    t = HugePageArena().empty((16 << 20,), torch.uint8)
+    t.fill_(1)  # the pages are faulted in here
+    entry = _mapping_of(t.data_ptr())
+    assert entry is not None
+    assert entry["AnonHugePages"] * 1024 >= (16 << 20) - HUGE_PAGE, entry
+    # torch's own allocation of the same size, for contrast: not advised, so no huge pages
+    # under the `madvise` setting (under `always` both get them).
+    plain = torch.empty(16 << 20, dtype=torch.uint8).fill_(1)
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        if "[madvise]" in f.read():
+            assert _mapping_of(plain.data_ptr()).get("AnonHugePages", 0) < 16 << 10
+
+
+def test_a_mapping_is_released_with_its_last_tensor():
+    import gc
+    import torch
+    from services.worker.host_memory import HugePageArena
+    arena = HugePageArena(chunk_bytes=4 << 20)
+    big = arena.empty((12 << 20,), torch.uint8)  # a mapping of its own
+    lo, hi = _mapping_of(big.data_ptr())["range"]
+    view = big[100:200]
+    del big
+    gc.collect()
+    assert _mapping_of(view.data_ptr())["range"] == (lo, hi)  # a view still holds it
+    address = view.data_ptr()
+    del view
+    gc.collect()
+    entry = _mapping_of(address)
+    assert entry is None or entry["range"] != (lo, hi)
+
+
+def _huge_kb(t) -> int:
+    return _mapping_of(t.data_ptr()).get("AnonHugePages", 0)
+
+
+def test_weights_and_kv_cache_are_on_huge_pages_unless_switched_off():
+    import pytest
+    import torch
+    from services.worker import host_memory
+    from services.worker.cache_engine import CacheEngine
+    from services.worker.models.linear import Linear
+    from tests.test_cache_engine import cache_config, model_config
+    if not _thp_offered():
+        pytest.skip("this kernel offers no transparent huge pages")
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        madvise_only = "[madvise]" in f.read()
+
+    def build():
+        kv = CacheEngine(cache_config(), model_config(torch.bfloat16), torch.device("cpu"))
+        layers = {}
+        for dtype in (torch.bfloat16, torch.float32):
+            layer = Linear(512, 1024, bias=False, dtype=dtype)
+            layer.weight.data.normal_()
+            layer.pack()  # bf16: AMX or oneDNN packing; fp32: a transposed copy
+            layers[dtype] = layer.packed.data if layer.packed is not None else layer.weight
+        return kv, layers
+
+    kv, layers = build()
+    k, v = kv.device_cache[0]
+    assert torch.count_nonzero(k) == 0 and torch.count_nonzero(v) == 0  # masked slots finite
+    assert _huge_kb(k) >= 2048
+    assert _huge_kb(layers[torch.float32]) >= 2048
+    if layers[torch.bfloat16].dtype == torch.bfloat16:  # AMX-packed here (oneDNN's is opaque)
+        assert _huge_kb(layers[torch.bfloat16]) >= 2048
+    host_memory.use_huge_pages(False)
+    try:
+        kv, layers = build()
+    finally:
+        host_memory.use_huge_pages(True)
+    assert torch.count_nonzero(kv.device_cache[0][0]) == 0
+    if madvise_only:  # torch's allocator never advises huge pages
+        assert _huge_kb(kv.device_cache[0][0]) == 0
+        assert _huge_kb(layers[torch.float32]) == 0

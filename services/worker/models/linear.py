@@ -11,6 +11,7 @@
   once at load, same values): MKL's sgemm is ~12% faster at batch 64 with that layout and the
   same at 1-2048 tokens. oneDNN's fp32 packing is slower on prompt-sized batches, so only the LM head, which
   only ever sees the sampled rows, is packed in fp32 (1.3x).
+The AMX-packed and fp32 weights are copied onto huge pages (services/worker/host_memory.py).
 Elsewhere (GPU, fp16) weights stay as loaded and F.linear runs. A packed weight's plain copy is
 dropped (`drop_plain_weight`): only its shape and dtype remain.
 """
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import cpu as cpu_kernels
+from services.worker.host_memory import host_copy
 
 
 @dataclass
@@ -52,8 +54,8 @@ def pack_weight(weight: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.b
         return None
     out_features = weight.shape[0]
     amx = cpu_kernels.pack_amx_weight(weight, gate_up)
-    if amx is not None:
-        return PackedWeight("amx", amx, out_features, gate_up)
+    if amx is not None:  # on huge pages: a step streams it from memory (host_memory)
+        return PackedWeight("amx", host_copy(amx), out_features, gate_up)
     if not _onednn(weight.dtype):
         return None
     return PackedWeight("onednn", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64),
@@ -96,7 +98,7 @@ class Linear(nn.Module):
         if self.packed is not None:
             drop_plain_weight(self)
         elif weight.device.type == "cpu" and weight.dtype == torch.float32:
-            weight.data = weight.data.t().contiguous().t()
+            weight.data = host_copy(weight.data.t()).t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed)
