@@ -18,17 +18,24 @@ _SIGNATURES = {
     "greedy_sample": ([_P, _I64, _I64, _I64, _P, _P], None),
     "matmul_amx_pack": ([_P, _I64, _I64, _INT, _P], _INT),
     "matmul_amx": ([_P, _I64, _I64, _P, _P, _I64, _I64, _INT, _P], _INT),
+    "kv_cache_write": ([_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I64], _INT),
+    "attention_input": ([_P, _P, _P, _F, _P, _P, _I64, _I64, _I64, _P, _P, _I64, _INT, _INT, _P,
+                         _P], _INT),
+    "attention_output_mlp": ([_P, _I64, _P, _P, _P, _P, _F, _P, _P, _P, _P, _I64, _I64, _I64, _P,
+                              _P, _P], _INT),
 }
 _bound: dict[tuple[str, torch.dtype], object] = {}
 
 
-def _function(name: str, dtype: torch.dtype):
+def _function(name: str, dtype: torch.dtype | None):
+    """The C function `name` for dtype (its `_f32` / `_bf16` variant), or the one function of
+    that name for dtype None; None where the kernels or that dtype are unavailable."""
     fn = _bound.get((name, dtype))
     if fn is None:
         lib = load()
-        if lib is None or dtype not in _SUFFIX:
+        if lib is None or (dtype is not None and dtype not in _SUFFIX):
             return None
-        fn = getattr(lib, f"{name}_{_SUFFIX[dtype]}")
+        fn = getattr(lib, name if dtype is None else f"{name}_{_SUFFIX[dtype]}")
         fn.argtypes, fn.restype = _SIGNATURES[name]
         _bound[(name, dtype)] = fn
     return fn
@@ -60,6 +67,35 @@ def supports(dtype: torch.dtype, device: torch.device, num_heads: int, num_kv_he
     return (device.type == "cpu" and dtype in _SUFFIX and num_heads % num_kv_heads == 0
             and num_heads // num_kv_heads <= 16 and head_dim <= 256 and block_size <= 128
             and _function("paged_decode", dtype) is not None)
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                   value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """As kernels.reference.write_kv_cache: key/value [T, num_kv_heads, head_dim] (each token's
+    heads contiguous, tokens at any stride) -> the cache slots `slot_mapping` [T] int64."""
+    tokens, num_kv_heads, head_dim = key.shape
+    fn = _function("kv_cache_write", None)
+    if (fn is None or key.dtype != key_cache.dtype or value.dtype != key.dtype
+            or value_cache.dtype != key.dtype):
+        raise ValueError(f"kv cache write: {key.dtype} / {value.dtype} rows into "
+                         f"{key_cache.dtype} / {value_cache.dtype} caches")
+    for t in (key, value):
+        if t.stride(2) != 1 or t.stride(1) != head_dim or t.shape != key.shape:
+            raise ValueError(f"kv cache write: rows must be [{tokens}, {num_kv_heads}, {head_dim}] "
+                             f"with each token's heads contiguous, got {tuple(t.shape)} "
+                             f"strides {t.stride()}")
+    assert key_cache.is_contiguous() and value_cache.is_contiguous()
+    assert key_cache.shape[2:] == (num_kv_heads, head_dim) and value_cache.shape == key_cache.shape
+    slots = slot_mapping.contiguous()
+    assert slots.dtype == torch.int64 and slots.shape == (tokens,)
+    size = key.element_size()
+    num_slots = key_cache.shape[0] * key_cache.shape[1]
+    rc = fn(key.data_ptr(), key.stride(0) * size, value.data_ptr(),
+                            value.stride(0) * size, key_cache.data_ptr(), value_cache.data_ptr(),
+                            slots.data_ptr(), tokens, num_kv_heads * head_dim * size, num_slots)
+    if rc != 0:
+        raise IndexError(f"kv cache slots must lie in [0, {num_slots}), got "
+                         f"{slots.min().item()}..{slots.max().item()}")
 
 
 def _rows_contiguous(x: torch.Tensor) -> bool:
@@ -204,3 +240,56 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
         raise RuntimeError(f"amx matmul cannot run [{num_rows}, {k}] x [{out_features}, {k}]^T "
                            f"(error {rc})")
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[1])
+
+
+# -- a bf16 decoder layer's work around attention, in two calls (blocks.c) ----------------------
+def layer_blocks_available() -> bool:
+    """Whether `attention_input` and `attention_output_mlp` run here: the AMX matmul does."""
+    return _amx_on and amx_available()
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def attention_input(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                    eps: float, qkv_packed: torch.Tensor, qkv_bias: torch.Tensor | None,
+                    positions: torch.Tensor, cos_sin: torch.Tensor, rotary_heads: int,
+                    h: torch.Tensor, qkv: torch.Tensor) -> None:
+    """With residual: residual += x, h = RMSNorm(residual); else h = RMSNorm(x). Then
+    qkv = h Wqkv^T (+ bias) with the first `rotary_heads` heads (q, then k) rotated at
+    `positions` in place (as `rotary_`). x, residual, h [T, hidden]; qkv [T, n_qkv]; all
+    contiguous bf16, weights packed by `pack_amx_weight`, positions [T] int64."""
+    rows, hidden = x.shape
+    head_dim = cos_sin.shape[2]
+    rc = _function("attention_input", torch.bfloat16)(
+        x.data_ptr(), _ptr(residual), norm_weight.data_ptr(), eps, qkv_packed.data_ptr(),
+        _ptr(qkv_bias), qkv.shape[1], rows, hidden, positions.data_ptr(), cos_sin.data_ptr(),
+        cos_sin.shape[0], rotary_heads, head_dim, h.data_ptr(), qkv.data_ptr())
+    if rc == -10:
+        raise IndexError(f"rotary positions must lie in [0, {cos_sin.shape[0]}), got "
+                         f"{positions.min().item()}..{positions.max().item()}")
+    if rc != 0:
+        raise RuntimeError(f"attention input block cannot run [{rows}, {hidden}] -> "
+                           f"{qkv.shape[1]} (error {rc})")
+
+
+def attention_output_mlp(attn: torch.Tensor, o_packed: torch.Tensor, o_bias: torch.Tensor | None,
+                         residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                         gate_up_packed: torch.Tensor, gate_up_bias: torch.Tensor | None,
+                         down_packed: torch.Tensor, down_bias: torch.Tensor | None,
+                         h: torch.Tensor, act: torch.Tensor, out: torch.Tensor) -> None:
+    """residual += attn Wo^T (+ bias); h = RMSNorm(residual);
+    out = (SiLU(h Wg^T) * (h Wu^T)) Wd^T, biases added where given. attn [T, attn_width];
+    residual, h, out [T, hidden]; act [T, intermediate] scratch; all contiguous bf16, weights
+    packed by `pack_amx_weight` (gate/up with `gate_up`)."""
+    rows, attn_width = attn.shape
+    hidden, inter = out.shape[1], act.shape[1]
+    rc = _function("attention_output_mlp", torch.bfloat16)(
+        attn.data_ptr(), attn_width, o_packed.data_ptr(), _ptr(o_bias), residual.data_ptr(),
+        norm_weight.data_ptr(), eps, gate_up_packed.data_ptr(), _ptr(gate_up_bias),
+        down_packed.data_ptr(), _ptr(down_bias), rows, hidden, inter, h.data_ptr(),
+        act.data_ptr(), out.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"attention output / MLP block cannot run [{rows}, {attn_width}] -> "
+                           f"{hidden}, intermediate {inter} (error {rc})")

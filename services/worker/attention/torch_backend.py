@@ -52,7 +52,7 @@ class TorchAttentionBackend(AttentionBackend):
             # Profile run: prompts only, nothing cached.
             assert meta.num_decode_tokens == 0
             return self._prefills(q, k, v, None, None, meta, scale)
-        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        self._write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         num_prefill_tokens = meta.num_prefill_tokens
         if not meta.num_decode_tokens:
             return self._prefills(q, k, v, k_cache, v_cache, meta, scale)
@@ -65,6 +65,11 @@ class TorchAttentionBackend(AttentionBackend):
         prefill_out = self._prefills(q[:num_prefill_tokens], k[:num_prefill_tokens],
                                      v[:num_prefill_tokens], k_cache, v_cache, meta, scale)
         return torch.cat((prefill_out, decode_out))
+
+    def _write_kv_cache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """The step's new K and V rows into their cache slots."""
+        write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
 
     def _decodes(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,

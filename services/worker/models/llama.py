@@ -9,6 +9,7 @@ torch code beside them computes the same and runs everywhere else.
 """
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -143,6 +144,14 @@ class LlamaAttention(nn.Module):
         out = self.attn_backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
+    def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv [T, q_size + 2 * kv_size] -> views q [T, heads, D], k and v [T, kv_heads, D]."""
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return (q.view(num_tokens, self.num_heads, self.head_dim),
+                k.view(num_tokens, self.num_kv_heads, self.head_dim),
+                v.view(num_tokens, self.num_kv_heads, self.head_dim))
+
 
 class LlamaMLP(nn.Module):
     def __init__(self, hf_config, dtype: torch.dtype):
@@ -181,6 +190,61 @@ class LlamaDecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
+    def blocks_ready(self) -> bool:
+        """Whether `forward_blocks` can run this layer: its matmuls packed for the AMX kernel
+        (gate/up with the fused SiLU), which the blocks call."""
+        attn, mlp = self.self_attn, self.mlp
+        packed = (attn.qkv_proj.packed, attn.o_proj.packed, mlp.gate_up_proj.packed,
+                  mlp.down_proj.packed)
+        return (cpu_kernels.layer_blocks_available()
+                and all(p is not None and p.kind == "amx" for p in packed)
+                and mlp.gate_up_proj.packed.gate_up)
+
+    def forward_blocks(self, positions: torch.Tensor, x: torch.Tensor,
+                       residual: torch.Tensor | None, kv_cache: KVCache | None,
+                       meta: AttentionMetadata,
+                       ws: "LayerWorkspace") -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` with the work before attention and the work after it in one C call each
+        (kernels/cpu/blocks.c): the same kernels, without the interpreter between them.
+        Returns ws.out as the MLP output, which the next layer reads before overwriting it."""
+        attn, mlp = self.self_attn, self.mlp
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        cpu_kernels.attention_input(
+            x, residual, norm1.weight, norm1.eps, attn.qkv_proj.packed.data, attn.qkv_proj.bias,
+            positions, attn.rotary.cos_sin, attn.num_heads + attn.num_kv_heads, ws.h, ws.qkv)
+        if residual is None:  # the first layer: the residual stream starts as its input
+            residual = x
+        q, k, v = attn.split_heads(ws.qkv)
+        k_cache, v_cache = kv_cache if kv_cache is not None else (None, None)
+        out = attn.attn_backend.forward(q, k, v, k_cache, v_cache, meta, attn.scale)
+        out = out.reshape(x.shape[0], attn.q_size)
+        if not out.is_contiguous():
+            out = out.contiguous()
+        cpu_kernels.attention_output_mlp(
+            out, attn.o_proj.packed.data, attn.o_proj.bias, residual, norm2.weight, norm2.eps,
+            mlp.gate_up_proj.packed.data, mlp.gate_up_proj.bias, mlp.down_proj.packed.data,
+            mlp.down_proj.bias, ws.h, ws.act, ws.out)
+        return ws.out, residual
+
+
+@dataclass
+class LayerWorkspace:
+    """One step's activations for `forward_blocks`, shared by every layer in turn."""
+    h: torch.Tensor  # [T, hidden] normalised input of a matmul
+    qkv: torch.Tensor  # [T, q_size + 2 * kv_size]
+    act: torch.Tensor  # [T, intermediate] SiLU(gate) * up
+    out: torch.Tensor  # [T, hidden] a layer's MLP output
+
+    @classmethod
+    def allocate(cls, layer: LlamaDecoderLayer, num_tokens: int) -> "LayerWorkspace":
+        attn, mlp = layer.self_attn, layer.mlp
+        hidden = layer.input_layernorm.weight.shape[0]
+        dtype = layer.input_layernorm.weight.dtype
+        return cls(h=torch.empty(num_tokens, hidden, dtype=dtype),
+                   qkv=torch.empty(num_tokens, attn.q_size + 2 * attn.kv_size, dtype=dtype),
+                   act=torch.empty(num_tokens, mlp.down_proj.weight.shape[1], dtype=dtype),
+                   out=torch.empty(num_tokens, hidden, dtype=dtype))
+
 
 class LlamaModel(nn.Module):
     def __init__(self, hf_config, attn_backend: AttentionBackend, dtype: torch.dtype):
@@ -194,11 +258,19 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(c, attn_backend, rotary, dtype)
                                     for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.use_blocks = False  # layers run `forward_blocks`: set once the weights are packed
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache] | None, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
         residual = None
+        if self.use_blocks and cpu_kernels.available_for(x):
+            ws = LayerWorkspace.allocate(self.layers[0], x.shape[0])
+            for i, layer in enumerate(self.layers):
+                x, residual = layer.forward_blocks(
+                    positions, x, residual, kv_caches[i] if kv_caches is not None else None,
+                    meta, ws)
+            return self.norm(x, residual)[0]
         for i, layer in enumerate(self.layers):
             x, residual = layer(positions, x, residual,
                                 kv_caches[i] if kv_caches is not None else None, meta)
@@ -254,6 +326,7 @@ class LlamaForCausalLM(nn.Module):
                 module.pack(head_dtypes if name == "lm_head" else (torch.bfloat16,))
         if self.tie_word_embeddings:
             self.lm_head_packed = pack_weight(self.model.embed_tokens.weight, head_dtypes)
+        self.model.use_blocks = all(layer.blocks_ready() for layer in self.model.layers)
         self.packed = True
 
     @torch.no_grad()
