@@ -16,11 +16,17 @@ void NAME(const T *logits, int64_t stride, int64_t rows, int64_t vocab, int64_t 
         float max = -INFINITY;                                                                  \
         _Pragma("omp simd reduction(max:max)")                                                  \
         for (int64_t i = 0; i < vocab; i++) max = TO_F(x[i]) > max ? TO_F(x[i]) : max;          \
-        int64_t best = 0;                                                                       \
-        while (best < vocab - 1 && TO_F(x[best]) != max) best++;                                \
+        /* The first index holding the max, found in the vectorised pass that sums the        \
+         * exponentials (a scalar search for it cost as much as both passes). */                \
+        int64_t best = vocab;                                                                   \
         float sum = 0.0f;                                                                       \
-        _Pragma("omp simd reduction(+:sum)")                                                    \
-        for (int64_t i = 0; i < vocab; i++) sum += exp_approx(TO_F(x[i]) - max);                \
+        _Pragma("omp simd reduction(+:sum) reduction(min:best)")                                \
+        for (int64_t i = 0; i < vocab; i++) {                                                   \
+            const float v = TO_F(x[i]);                                                         \
+            sum += exp_approx(v - max);                                                         \
+            best = v == max && i < best ? i : best;                                             \
+        }                                                                                       \
+        if (best == vocab) best = vocab - 1; /* no value equals max: all NaN */                 \
         token_ids[r] = best;                                                                    \
         logprobs[r] = -logf(sum);                                                               \
     }                                                                                           \

@@ -58,8 +58,9 @@ class HugePageArena:
     backs an anonymous mapping with huge pages only where it is advised to (the usual
     `transparent_hugepage=madvise` setting), and torch's allocator does not advise it.
 
-    Tensors are packed one after another (page-aligned), so that small ones share huge pages
-    instead of each rounding up to 2 MiB. A mapping is freed when the last tensor in it is.
+    Tensors up to half a chunk are packed one after another (page-aligned), so that small ones
+    share huge pages instead of each rounding up to 2 MiB; larger ones (a layer's KV cache) get a
+    mapping each. A mapping is freed when the last tensor in it is.
     Where the kernel has no transparent huge pages the mappings are plain memory.
     """
 
@@ -87,7 +88,8 @@ class HugePageArena:
         nbytes = math.prod(shape) * dtype.itemsize
         padded = max(_PAGE, -(-nbytes // _PAGE) * _PAGE)
         with self._lock:
-            if padded > self.chunk_bytes:  # a large tensor gets a mapping of its own
+            if 2 * padded > self.chunk_bytes:  # a large one gets a mapping of its own, so
+                # that it leaves no unused tail behind in the current one
                 block = self._map(padded)
             else:
                 if self._free is None or self._free.numel() < padded:
