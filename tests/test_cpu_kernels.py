@@ -768,7 +768,7 @@ def test_attention_input_block_equals_its_kernels_one_by_one(rows, bias, first_l
     qkv = torch.empty(rows, w["n_qkv"], dtype=torch.bfloat16)
     block_residual = None if first_layer else residual.clone()
     cpu_kernels.attention_input(x, block_residual, w["norm"], 1e-5, w["qkv"], w["qkv_bias"],
-                                positions, rotary.cos_sin, rotary_heads, h, qkv)
+                                positions, rotary.cos_sin, rotary_heads, w["head_dim"], h, qkv)
     ref_residual = None if first_layer else residual.clone()
     ref_h = cpu_kernels.rms_norm(x, w["norm"], 1e-5, ref_residual)
     ref_qkv = cpu_kernels.amx_linear(ref_h, w["qkv"], w["qkv_bias"], w["n_qkv"])
@@ -778,9 +778,20 @@ def test_attention_input_block_equals_its_kernels_one_by_one(rows, bias, first_l
     if not first_layer:
         assert torch.equal(block_residual, ref_residual)
         assert not torch.equal(block_residual, residual)  # the residual add happened
+    def call(**change):
+        args = dict(x=x, residual=None, norm_weight=w["norm"], eps=1e-5, qkv_packed=w["qkv"],
+                    qkv_bias=w["qkv_bias"], positions=positions, cos_sin=rotary.cos_sin,
+                    rotary_heads=rotary_heads, head_dim=w["head_dim"], h=h, qkv=qkv)
+        cpu_kernels.attention_input(**{**args, **change})
     with pytest.raises(IndexError, match="rotary positions"):
-        cpu_kernels.attention_input(x, None, w["norm"], 1e-5, w["qkv"], w["qkv_bias"],
-                                    torch.full((rows,), 512), rotary.cos_sin, rotary_heads, h, qkv)
+        call(positions=torch.full((rows,), 512))
+    # What would be read out of bounds is refused before the C code runs.
+    with pytest.raises(ValueError, match="positions"):
+        call(positions=positions.int())
+    with pytest.raises(ValueError, match="packed weight"):
+        call(x=torch.zeros(rows, 2 * w["hidden"], dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="rotary table"):
+        call(head_dim=2 * w["head_dim"])
 
 
 @needs_amx
@@ -806,6 +817,11 @@ def test_attention_output_mlp_block_equals_its_kernels_one_by_one(rows, bias):
     ref_out = cpu_kernels.amx_linear(ref_act, w["down"], w["down_bias"], w["hidden"])
     assert torch.equal(block_residual, ref_residual) and torch.equal(h, ref_h)
     assert torch.equal(act, ref_act) and torch.equal(out, ref_out)
+    with pytest.raises(ValueError, match="do not fit"):  # o_proj's input width is wrong
+        cpu_kernels.attention_output_mlp(attn[:, :-32].contiguous(), w["o"], w["o_bias"],
+                                         residual, w["norm"], 1e-5, w["gate_up"],
+                                         w["gate_up_bias"], w["down"], w["down_bias"], h, act,
+                                         out)
 
 
 @needs_amx

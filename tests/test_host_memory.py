@@ -162,6 +162,7 @@ def test_weights_and_kv_cache_are_on_huge_pages_unless_switched_off():
     kb = run_fresh("""
         import json, torch
         from services.worker import host_memory
+        from services.worker import cache_engine
         from services.worker.cache_engine import CacheEngine
         from services.worker.models.linear import Linear
         from tests.test_cache_engine import cache_config, model_config
@@ -169,6 +170,12 @@ def test_weights_and_kv_cache_are_on_huge_pages_unless_switched_off():
 
         def huge_kb(t):
             return _mapping_of(t.data_ptr()).get("AnonHugePages", 0)
+
+        # Whatever memory the cache gets, it must come out zero-filled: hand it NaN-filled
+        # memory (a fresh mapping would be zero by itself).
+        def nan_filled(shape, dtype, _empty=cache_engine.host_empty):
+            return _empty(shape, dtype).fill_(float("nan"))
+        cache_engine.host_empty = nan_filled
 
         def build():
             kv = CacheEngine(cache_config(), model_config(torch.bfloat16), torch.device("cpu"))
@@ -179,9 +186,14 @@ def test_weights_and_kv_cache_are_on_huge_pages_unless_switched_off():
                 layer = Linear(512, 1024, bias=False, dtype=dtype)
                 layer.weight.data.normal_()
                 layer.pack()  # bf16: AMX or oneDNN packing; fp32: a transposed copy
-                w = layer.packed.data if layer.packed is not None else layer.weight
-                # oneDNN's packed weight is opaque (no data pointer): only AMX's is checked
-                found[str(dtype)] = huge_kb(w) if w.layout == torch.strided else None
+                # Streamed weights only: AMX-packed bf16 and fp32 ([in, out] copies). oneDNN's
+                # packing is opaque, and an unpacked bf16 weight stays as loaded.
+                if dtype == torch.float32:
+                    found[str(dtype)] = huge_kb(layer.weight)
+                elif layer.packed is not None and layer.packed.kind == "amx":
+                    found[str(dtype)] = huge_kb(layer.packed.data)
+                else:
+                    found[str(dtype)] = None
             return found
 
         on = build()

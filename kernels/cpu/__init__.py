@@ -1,9 +1,11 @@
-"""CPU kernels in C (built on first use, see build.py): paged decode attention, the
-element-wise layer ops, greedy sampling and the bf16 matmul on AMX. Each computes what its torch counterpart computes
-(kernels/reference.py for attention, the modules of services/worker/models/llama.py and the
-sampler for the rest), which stands in for it where it cannot run: another device or dtype, no
-C compiler, or PAGODA_CPU_KERNELS=0."""
+"""CPU kernels in C (built on first use, see build.py): paged decode attention and the KV cache
+write, the element-wise layer ops, greedy sampling, the bf16 matmul on AMX, and a bf16 decoder
+layer's work around attention chained into two calls. Each computes what its torch counterpart
+computes (kernels/reference.py for attention and the cache write, the modules of
+services/worker/models/llama.py and the sampler for the rest), which stands in for it where it
+cannot run: another device or dtype, no C compiler, or PAGODA_CPU_KERNELS=0."""
 import ctypes
+from collections.abc import Callable
 
 import torch
 
@@ -75,7 +77,9 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
     heads contiguous, tokens at any stride) -> the cache slots `slot_mapping` [T] int64."""
     tokens, num_kv_heads, head_dim = key.shape
     fn = _function("kv_cache_write", None)
-    if (fn is None or key.dtype != key_cache.dtype or value.dtype != key.dtype
+    if fn is None:
+        raise RuntimeError(f"cpu kv cache write is unavailable: {unavailable_reason()}")
+    if (key.dtype != key_cache.dtype or value.dtype != key.dtype
             or value_cache.dtype != key.dtype):
         raise ValueError(f"kv cache write: {key.dtype} / {value.dtype} rows into "
                          f"{key_cache.dtype} / {value_cache.dtype} caches")
@@ -90,12 +94,16 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
     assert slots.dtype == torch.int64 and slots.shape == (tokens,)
     size = key.element_size()
     num_slots = key_cache.shape[0] * key_cache.shape[1]
-    rc = fn(key.data_ptr(), key.stride(0) * size, value.data_ptr(),
-                            value.stride(0) * size, key_cache.data_ptr(), value_cache.data_ptr(),
-                            slots.data_ptr(), tokens, num_kv_heads * head_dim * size, num_slots)
+    rc = fn(key.data_ptr(), key.stride(0) * size, value.data_ptr(), value.stride(0) * size,
+            key_cache.data_ptr(), value_cache.data_ptr(), slots.data_ptr(), tokens,
+            num_kv_heads * head_dim * size, num_slots)
     if rc != 0:
         raise IndexError(f"kv cache slots must lie in [0, {num_slots}), got "
                          f"{slots.min().item()}..{slots.max().item()}")
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 def _rows_contiguous(x: torch.Tensor) -> bool:
@@ -147,8 +155,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                                 and residual.dtype == x.dtype)
     out = torch.empty(x.shape, dtype=x.dtype)
     _function("rms_norm", x.dtype)(
-        x.data_ptr(), x.stride(0), residual.data_ptr() if residual is not None else None,
-        weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+        x.data_ptr(), x.stride(0), _ptr(residual), weight.data_ptr(), out.data_ptr(), x.shape[0],
+        x.shape[1], eps)
     return out
 
 
@@ -164,9 +172,13 @@ def rotary_(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> 
                                       cos_sin.data_ptr(), tokens, heads, head_dim,
                                       cos_sin.shape[0])
     if rc != 0:  # checked before anything is written, as torch's index_select would
-        raise IndexError(f"rotary positions must lie in [0, {cos_sin.shape[0]}), got "
-                         f"{positions.min().item()}..{positions.max().item()}")
+        raise _positions_outside(positions, cos_sin)
     return x
+
+
+def _positions_outside(positions: torch.Tensor, cos_sin: torch.Tensor) -> IndexError:
+    return IndexError(f"rotary positions must lie in [0, {cos_sin.shape[0]}), got "
+                      f"{positions.min().item()}..{positions.max().item()}")
 
 
 def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,10 +210,13 @@ def amx_available() -> bool:
     return lib is not None and bool(lib.matmul_amx_available())
 
 
-def pack_amx_weight(weight: torch.Tensor, gate_up: bool = False) -> torch.Tensor | None:
-    """A bf16 weight [N, K] on the CPU rearranged for `amx_linear` (same size), or None where that
-    does not run: no AMX, another dtype or device, N or K not a multiple of 32. With `gate_up`
-    the weight is [gate; up] and the matmul returns SiLU(gate) * up."""
+def pack_amx_weight(weight: torch.Tensor, gate_up: bool = False,
+                    empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] = torch.empty,
+                    ) -> torch.Tensor | None:
+    """A bf16 weight [N, K] on the CPU rearranged for `amx_linear` (same size, in memory from
+    `empty(shape, dtype)`), or None where that does not run: no AMX, another dtype or device,
+    N or K not a multiple of 32. With `gate_up` the weight is [gate; up] and the matmul returns
+    SiLU(gate) * up."""
     if (weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2
             or not _amx_on or not amx_available()):
         return None
@@ -209,7 +224,7 @@ def pack_amx_weight(weight: torch.Tensor, gate_up: bool = False) -> torch.Tensor
     if n % 32 or k % 32:
         return None
     weight = weight.detach().contiguous()
-    packed = torch.empty(n * k, dtype=torch.bfloat16)
+    packed = empty((n * k,), dtype=torch.bfloat16)
     rc = _function("matmul_amx_pack", torch.bfloat16)(weight.data_ptr(), n, k, int(gate_up),
                                                        packed.data_ptr())
     assert rc == 0, rc
@@ -235,7 +250,7 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
                       dtype=torch.bfloat16)
     rc = _function("matmul_amx", torch.bfloat16)(
         rows.data_ptr(), rows.stride(0), num_rows, packed.data_ptr(),
-        None if bias is None else bias.data_ptr(), out_features, k, gate_up, out.data_ptr())
+        _ptr(bias), out_features, k, gate_up, out.data_ptr())
     if rc != 0:
         raise RuntimeError(f"amx matmul cannot run [{num_rows}, {k}] x [{out_features}, {k}]^T "
                            f"(error {rc})")
@@ -248,30 +263,43 @@ def layer_blocks_available() -> bool:
     return _amx_on and amx_available()
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
+def _check_block(what: str, ok: bool, detail: str) -> None:
+    if not ok:
+        raise ValueError(f"{what}: {detail}")
 
 
 def attention_input(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                     eps: float, qkv_packed: torch.Tensor, qkv_bias: torch.Tensor | None,
                     positions: torch.Tensor, cos_sin: torch.Tensor, rotary_heads: int,
-                    h: torch.Tensor, qkv: torch.Tensor) -> None:
+                    head_dim: int, h: torch.Tensor, qkv: torch.Tensor) -> None:
     """With residual: residual += x, h = RMSNorm(residual); else h = RMSNorm(x). Then
     qkv = h Wqkv^T (+ bias) with the first `rotary_heads` heads (q, then k) rotated at
     `positions` in place (as `rotary_`). x, residual, h [T, hidden]; qkv [T, n_qkv]; all
-    contiguous bf16, weights packed by `pack_amx_weight`, positions [T] int64."""
+    contiguous bf16, the weight packed by `pack_amx_weight`, positions [T] int64. The checks
+    are those the C code cannot make; the layer's fixed shapes are checked once, when the
+    model decides to run its layers this way (LlamaDecoderLayer.blocks_ready)."""
     rows, hidden = x.shape
-    head_dim = cos_sin.shape[2]
+    n_qkv = qkv.shape[1]
+    _check_block("attention input", x.dtype == torch.bfloat16 and x.is_contiguous()
+                 and (residual is None or (residual.shape == x.shape and residual.is_contiguous()))
+                 and h.shape == x.shape and qkv.shape[0] == rows
+                 and qkv_packed.numel() == n_qkv * hidden,
+                 f"x {tuple(x.shape)} {x.dtype} does not fit h {tuple(h.shape)}, qkv "
+                 f"{tuple(qkv.shape)} and a packed weight of {qkv_packed.numel()} values")
+    _check_block("attention input", positions.dtype == torch.int64
+                 and positions.shape == (rows,) and positions.is_contiguous()
+                 and cos_sin.shape[1:] == (2, head_dim) and rotary_heads * head_dim <= n_qkv,
+                 f"positions {tuple(positions.shape)} {positions.dtype} for {rows} rows, a "
+                 f"rotary table {tuple(cos_sin.shape)}, {rotary_heads} heads of {head_dim}")
     rc = _function("attention_input", torch.bfloat16)(
         x.data_ptr(), _ptr(residual), norm_weight.data_ptr(), eps, qkv_packed.data_ptr(),
-        _ptr(qkv_bias), qkv.shape[1], rows, hidden, positions.data_ptr(), cos_sin.data_ptr(),
+        _ptr(qkv_bias), n_qkv, rows, hidden, positions.data_ptr(), cos_sin.data_ptr(),
         cos_sin.shape[0], rotary_heads, head_dim, h.data_ptr(), qkv.data_ptr())
     if rc == -10:
-        raise IndexError(f"rotary positions must lie in [0, {cos_sin.shape[0]}), got "
-                         f"{positions.min().item()}..{positions.max().item()}")
+        raise _positions_outside(positions, cos_sin)
     if rc != 0:
-        raise RuntimeError(f"attention input block cannot run [{rows}, {hidden}] -> "
-                           f"{qkv.shape[1]} (error {rc})")
+        raise RuntimeError(f"attention input block cannot run [{rows}, {hidden}] -> {n_qkv} "
+                           f"(error {rc})")
 
 
 def attention_output_mlp(attn: torch.Tensor, o_packed: torch.Tensor, o_bias: torch.Tensor | None,
@@ -285,6 +313,15 @@ def attention_output_mlp(attn: torch.Tensor, o_packed: torch.Tensor, o_bias: tor
     packed by `pack_amx_weight` (gate/up with `gate_up`)."""
     rows, attn_width = attn.shape
     hidden, inter = out.shape[1], act.shape[1]
+    _check_block("attention output / MLP", attn.dtype == torch.bfloat16 and attn.is_contiguous()
+                 and residual.shape == out.shape == h.shape == (rows, hidden)
+                 and residual.is_contiguous() and act.shape[0] == rows
+                 and o_packed.numel() == hidden * attn_width
+                 and gate_up_packed.numel() == 2 * inter * hidden
+                 and down_packed.numel() == hidden * inter,
+                 f"attn {tuple(attn.shape)} {attn.dtype}, residual {tuple(residual.shape)}, out "
+                 f"{tuple(out.shape)}, act {tuple(act.shape)} do not fit packed weights of "
+                 f"{o_packed.numel()}, {gate_up_packed.numel()}, {down_packed.numel()} values")
     rc = _function("attention_output_mlp", torch.bfloat16)(
         attn.data_ptr(), attn_width, o_packed.data_ptr(), _ptr(o_bias), residual.data_ptr(),
         norm_weight.data_ptr(), eps, gate_up_packed.data_ptr(), _ptr(gate_up_bias),

@@ -44,8 +44,16 @@ def keep_freed_memory(mmap_threshold: int = 32 << 20, trim_threshold: int = 512 
 
 
 # -- transparent huge pages ----------------------------------------------------------------------
-HUGE_PAGE = 2 << 20
-_PAGE = 4096
+def _huge_page_size() -> int:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 2 << 20
+
+
+HUGE_PAGE = _huge_page_size()  # 2 MiB on x86-64
+_PAGE = mmap.PAGESIZE
 
 
 class HugePageArena:
@@ -60,8 +68,10 @@ class HugePageArena:
 
     Tensors up to half a chunk are packed one after another (page-aligned), so that small ones
     share huge pages instead of each rounding up to 2 MiB; larger ones (a layer's KV cache) get a
-    mapping each. A mapping is freed when the last tensor in it is.
-    Where the kernel has no transparent huge pages the mappings are plain memory.
+    mapping each. A mapping is freed when the last tensor in it is, and the arena no longer
+    fills it. Where the kernel has no transparent huge pages the mappings are plain memory.
+    (With the kernel's default `defrag=madvise`, a fault in an advised range may compact memory
+    to find a huge page: slower start-up on a fragmented host, never a failure.)
     """
 
     def __init__(self, chunk_bytes: int = 64 << 20):

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import cpu as cpu_kernels
-from services.worker.host_memory import host_copy
+from services.worker.host_memory import host_copy, host_empty
 
 
 @dataclass
@@ -53,9 +53,10 @@ def pack_weight(weight: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.b
     if weight.device.type != "cpu" or weight.dtype not in dtypes:
         return None
     out_features = weight.shape[0]
-    amx = cpu_kernels.pack_amx_weight(weight, gate_up)
-    if amx is not None:  # on huge pages: a step streams it from memory (host_memory)
-        return PackedWeight("amx", host_copy(amx), out_features, gate_up)
+    # On huge pages: a step streams it from memory (services/worker/host_memory.py).
+    amx = cpu_kernels.pack_amx_weight(weight, gate_up, empty=host_empty)
+    if amx is not None:
+        return PackedWeight("amx", amx, out_features, gate_up)
     if not _onednn(weight.dtype):
         return None
     return PackedWeight("onednn", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64),

@@ -140,9 +140,15 @@ class LlamaAttention(nn.Module):
                                             self.head_dim))
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        return self.o_proj(self.attend(q, k, v, kv_cache, meta))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               kv_cache: KVCache | None, meta: AttentionMetadata) -> torch.Tensor:
+        """The backend's attention of q [T, heads, D] over k, v [T, kv_heads, D] and the cache
+        -> [T, q_size]."""
         k_cache, v_cache = kv_cache if kv_cache is not None else (None, None)
         out = self.attn_backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return out.reshape(q.shape[0], self.q_size)
 
     def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """qkv [T, q_size + 2 * kv_size] -> views q [T, heads, D], k and v [T, kv_heads, D]."""
@@ -211,13 +217,11 @@ class LlamaDecoderLayer(nn.Module):
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         cpu_kernels.attention_input(
             x, residual, norm1.weight, norm1.eps, attn.qkv_proj.packed.data, attn.qkv_proj.bias,
-            positions, attn.rotary.cos_sin, attn.num_heads + attn.num_kv_heads, ws.h, ws.qkv)
+            positions, attn.rotary.cos_sin, attn.num_heads + attn.num_kv_heads, attn.head_dim,
+            ws.h, ws.qkv)
         if residual is None:  # the first layer: the residual stream starts as its input
             residual = x
-        q, k, v = attn.split_heads(ws.qkv)
-        k_cache, v_cache = kv_cache if kv_cache is not None else (None, None)
-        out = attn.attn_backend.forward(q, k, v, k_cache, v_cache, meta, attn.scale)
-        out = out.reshape(x.shape[0], attn.q_size)
+        out = attn.attend(*attn.split_heads(ws.qkv), kv_cache, meta)
         if not out.is_contiguous():
             out = out.contiguous()
         cpu_kernels.attention_output_mlp(
@@ -326,6 +330,7 @@ class LlamaForCausalLM(nn.Module):
                 module.pack(head_dtypes if name == "lm_head" else (torch.bfloat16,))
         if self.tie_word_embeddings:
             self.lm_head_packed = pack_weight(self.model.embed_tokens.weight, head_dtypes)
+        # All layers or none: a model some of whose matmuls went to oneDNN runs module by module.
         self.model.use_blocks = all(layer.blocks_ready() for layer in self.model.layers)
         self.packed = True
 
