@@ -2,7 +2,7 @@
 preempted sequences are swapped out to."""
 import torch
 
-from services.worker.host_memory import host_zeros
+from services.worker.host_memory import host_empty
 from shared.config import CacheConfig, ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -24,10 +24,9 @@ class CacheEngine:
         # K and V of a layer live in one [2, num_blocks, ...] tensor so that a swap or copy is
         # one index op per layer. Device blocks are zero-filled: attention masks padded slots
         # but still multiplies by them, so they must hold finite numbers. On the CPU they are on
-        # huge pages, a decode step streaming the whole live cache, and faulted in as used
-        # (host_memory).
+        # huge pages: a decode step streams the whole live cache (host_memory).
         shape = (2, self.num_device_blocks, *block_shape)
-        self._device_kv = [host_zeros(shape, dtype) if self.device.type == "cpu"
+        self._device_kv = [host_empty(shape, dtype).zero_() if self.device.type == "cpu"
                            else torch.zeros(shape, dtype=dtype, device=self.device)
                            for _ in range(model_config.num_layers)]
         pin = self.device.type == "cuda"  # page-locked host memory for the device transfers

@@ -127,17 +127,6 @@ def host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return _arena.empty(tuple(shape), dtype)
 
 
-def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero-filled CPU tensor in `host_empty` memory, written by nobody: the arena's memory is
-    fresh from the kernel, which hands it out zeroed, and the arena never hands out memory
-    twice. Its pages are faulted in when first used rather than all at start-up, which matters
-    where the host backs a VM's memory lazily: there each 2 MiB fault cost ~6 ms here, and
-    zero-filling the default 2 GiB KV cache took 4.3 s (0.8 s on 4 KiB pages)."""
-    if not _huge_pages_on:
-        return torch.zeros(shape, dtype=dtype)
-    return _arena.empty(tuple(shape), dtype)
-
-
 def host_copy(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of a CPU tensor in `host_empty` memory."""
     out = host_empty(tuple(tensor.shape), tensor.dtype)
