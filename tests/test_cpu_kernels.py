@@ -1,8 +1,10 @@
 """The compiled CPU kernels (kernels/cpu) against the torch code each one stands in for:
-paged decode attention against kernels/reference.py, the layer ops against the torch path of
-services/worker/models/llama.py (for bfloat16 also against the Hugging Face rounding they copy),
-the packed bf16 matmuls (AMX and oneDNN) against F.linear; the build and its fallbacks in fresh processes; and a
-tiny bf16 Llama with the kernels on against transformers and against itself with them off."""
+paged decode attention and the KV cache write against kernels/reference.py, the layer ops
+against the torch path of services/worker/models/llama.py (for bfloat16 also against the
+Hugging Face rounding they copy), the packed bf16 matmuls (AMX and oneDNN) against F.linear, the
+layer blocks against their kernels one by one; the build and its fallbacks in fresh processes;
+and a tiny bf16 Llama with the kernels on against transformers, against itself with them off,
+and with its layers as blocks against module by module."""
 import json
 import os
 import subprocess

@@ -30,12 +30,7 @@ ALLOCATE = """
 
 
 def allocate(settings: tuple) -> dict:
-    code = textwrap.dedent(ALLOCATE.format(settings=settings))
-    result = subprocess.run([sys.executable, "-c", code],
-                            cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True,
-                            text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_fresh(ALLOCATE.format(settings=settings))
 
 
 def test_freed_activation_memory_is_reused_rather_than_faulted_in_again():
@@ -105,9 +100,9 @@ def test_arena_tensors_are_page_aligned_and_do_not_overlap():
 
 
 def run_fresh(code: str) -> dict:
-    """Runs `code` in a fresh interpreter and returns the JSON its last line prints. Page
-    backing depends on a process's history (which libraries advised which ranges), so the
-    huge-page checks start from none."""
+    """Runs `code` in a fresh interpreter and returns the JSON its last line prints: malloc
+    settings are process-wide, and page backing depends on a process's history (which
+    libraries advised which ranges), so these checks start from none."""
     result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT,
                             env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True,
                             text=True, timeout=300)

@@ -263,11 +263,6 @@ def layer_blocks_available() -> bool:
     return _amx_on and amx_available()
 
 
-def _check_block(what: str, ok: bool, detail: str) -> None:
-    if not ok:
-        raise ValueError(f"{what}: {detail}")
-
-
 def attention_input(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                     eps: float, qkv_packed: torch.Tensor, qkv_bias: torch.Tensor | None,
                     positions: torch.Tensor, cos_sin: torch.Tensor, rotary_heads: int,
@@ -280,17 +275,20 @@ def attention_input(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
     model decides to run its layers this way (LlamaDecoderLayer.blocks_ready)."""
     rows, hidden = x.shape
     n_qkv = qkv.shape[1]
-    _check_block("attention input", x.dtype == torch.bfloat16 and x.is_contiguous()
-                 and (residual is None or (residual.shape == x.shape and residual.is_contiguous()))
-                 and h.shape == x.shape and qkv.shape[0] == rows
-                 and qkv_packed.numel() == n_qkv * hidden,
-                 f"x {tuple(x.shape)} {x.dtype} does not fit h {tuple(h.shape)}, qkv "
-                 f"{tuple(qkv.shape)} and a packed weight of {qkv_packed.numel()} values")
-    _check_block("attention input", positions.dtype == torch.int64
-                 and positions.shape == (rows,) and positions.is_contiguous()
-                 and cos_sin.shape[1:] == (2, head_dim) and rotary_heads * head_dim <= n_qkv,
-                 f"positions {tuple(positions.shape)} {positions.dtype} for {rows} rows, a "
-                 f"rotary table {tuple(cos_sin.shape)}, {rotary_heads} heads of {head_dim}")
+    # The messages are formatted only on failure: these run for every layer of every step.
+    if not (x.dtype == torch.bfloat16 and x.is_contiguous()
+            and (residual is None or (residual.shape == x.shape and residual.is_contiguous()))
+            and h.shape == x.shape and qkv.shape[0] == rows
+            and qkv_packed.numel() == n_qkv * hidden):
+        raise ValueError(f"attention input: x {tuple(x.shape)} {x.dtype} does not fit h "
+                         f"{tuple(h.shape)}, qkv {tuple(qkv.shape)} and a packed weight of "
+                         f"{qkv_packed.numel()} values")
+    if not (positions.dtype == torch.int64 and positions.shape == (rows,)
+            and positions.is_contiguous() and cos_sin.shape[1:] == (2, head_dim)
+            and rotary_heads * head_dim <= n_qkv):
+        raise ValueError(f"attention input: positions {tuple(positions.shape)} "
+                         f"{positions.dtype} for {rows} rows, a rotary table "
+                         f"{tuple(cos_sin.shape)}, {rotary_heads} heads of {head_dim}")
     rc = _function("attention_input", torch.bfloat16)(
         x.data_ptr(), _ptr(residual), norm_weight.data_ptr(), eps, qkv_packed.data_ptr(),
         _ptr(qkv_bias), n_qkv, rows, hidden, positions.data_ptr(), cos_sin.data_ptr(),
@@ -313,15 +311,16 @@ def attention_output_mlp(attn: torch.Tensor, o_packed: torch.Tensor, o_bias: tor
     packed by `pack_amx_weight` (gate/up with `gate_up`)."""
     rows, attn_width = attn.shape
     hidden, inter = out.shape[1], act.shape[1]
-    _check_block("attention output / MLP", attn.dtype == torch.bfloat16 and attn.is_contiguous()
-                 and residual.shape == out.shape == h.shape == (rows, hidden)
-                 and residual.is_contiguous() and act.shape[0] == rows
-                 and o_packed.numel() == hidden * attn_width
-                 and gate_up_packed.numel() == 2 * inter * hidden
-                 and down_packed.numel() == hidden * inter,
-                 f"attn {tuple(attn.shape)} {attn.dtype}, residual {tuple(residual.shape)}, out "
-                 f"{tuple(out.shape)}, act {tuple(act.shape)} do not fit packed weights of "
-                 f"{o_packed.numel()}, {gate_up_packed.numel()}, {down_packed.numel()} values")
+    if not (attn.dtype == torch.bfloat16 and attn.is_contiguous()
+            and residual.shape == out.shape == h.shape == (rows, hidden)
+            and residual.is_contiguous() and act.shape[0] == rows
+            and o_packed.numel() == hidden * attn_width
+            and gate_up_packed.numel() == 2 * inter * hidden
+            and down_packed.numel() == hidden * inter):
+        raise ValueError(f"attention output / MLP: attn {tuple(attn.shape)} {attn.dtype}, "
+                         f"residual {tuple(residual.shape)}, out {tuple(out.shape)}, act "
+                         f"{tuple(act.shape)} do not fit packed weights of {o_packed.numel()}, "
+                         f"{gate_up_packed.numel()}, {down_packed.numel()} values")
     rc = _function("attention_output_mlp", torch.bfloat16)(
         attn.data_ptr(), attn_width, o_packed.data_ptr(), _ptr(o_bias), residual.data_ptr(),
         norm_weight.data_ptr(), eps, gate_up_packed.data_ptr(), _ptr(gate_up_bias),

@@ -14,13 +14,7 @@
 #include <stdint.h>
 
 #include "common.h"
-
-void rms_norm_bf16(const uint16_t *x, int64_t x_stride, uint16_t *residual,
-                   const uint16_t *weight, uint16_t *out, int64_t rows, int cols, float eps);
-int rotary_bf16(uint16_t *x, int64_t x_stride, const int64_t *positions, const uint16_t *cos_sin,
-                int64_t tokens, int heads, int head_dim, int64_t max_positions);
-int matmul_amx_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t *packed,
-                    const uint16_t *bias, int64_t n, int64_t k, int gate_up, uint16_t *y);
+#include "layer_kernels.h"
 
 /* x, residual, h [rows, hidden]; qkv [rows, n_qkv], its first rotary_heads * head_dim columns
  * (q then k) rotated at `positions`. With residual NULL (the first layer) x is normalised as it

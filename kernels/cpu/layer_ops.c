@@ -12,6 +12,7 @@
 #include <stdint.h>
 
 #include "common.h"
+#include "layer_kernels.h"
 
 /* Whether every position indexes the rotary table (which the loops then index unchecked). */
 static inline int positions_in_table(const int64_t *positions, int64_t tokens,

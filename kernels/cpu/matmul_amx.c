@@ -23,6 +23,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "layer_kernels.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <immintrin.h>

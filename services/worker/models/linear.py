@@ -9,9 +9,9 @@
   faster packed; the same at 2048 tokens).
 - fp32: the weight is stored [in, out] (the parameter becomes a transposed view of a copy made
   once at load, same values): MKL's sgemm is ~12% faster at batch 64 with that layout and the
-  same at 1-2048 tokens. oneDNN's fp32 packing is slower on prompt-sized batches, so only the LM head, which
-  only ever sees the sampled rows, is packed in fp32 (1.3x).
-The AMX-packed and fp32 weights are copied onto huge pages (services/worker/host_memory.py).
+  same at 1-2048 tokens. oneDNN's fp32 packing is slower on prompt-sized batches, so only the
+  LM head, which only ever sees the sampled rows, is packed in fp32 (1.3x).
+The AMX-packed and fp32 weights live on huge pages (services/worker/host_memory.py).
 Elsewhere (GPU, fp16) weights stay as loaded and F.linear runs. A packed weight's plain copy is
 dropped (`drop_plain_weight`): only its shape and dtype remain.
 """

@@ -268,16 +268,12 @@ class LlamaModel(nn.Module):
                 kv_caches: list[KVCache] | None, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
         residual = None
-        if self.use_blocks and cpu_kernels.available_for(x):
-            ws = LayerWorkspace.allocate(self.layers[0], x.shape[0])
-            for i, layer in enumerate(self.layers):
-                x, residual = layer.forward_blocks(
-                    positions, x, residual, kv_caches[i] if kv_caches is not None else None,
-                    meta, ws)
-            return self.norm(x, residual)[0]
+        ws = (LayerWorkspace.allocate(self.layers[0], x.shape[0])
+              if self.use_blocks and cpu_kernels.available_for(x) else None)
         for i, layer in enumerate(self.layers):
-            x, residual = layer(positions, x, residual,
-                                kv_caches[i] if kv_caches is not None else None, meta)
+            kv_cache = kv_caches[i] if kv_caches is not None else None
+            x, residual = (layer(positions, x, residual, kv_cache, meta) if ws is None else
+                           layer.forward_blocks(positions, x, residual, kv_cache, meta, ws))
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
