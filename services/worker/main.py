@@ -121,12 +121,8 @@ class WorkerService:
             if msg.method == "determine_num_available_blocks":
                 result = list(self.worker.determine_num_available_blocks())
             elif msg.method == "initialize_cache":
-                # A new cache means a new engine (or one that lost track of this worker):
-                # the sequences held for the old one must not be mistaken for its own.
-                runner = self.worker.model_runner
-                runner.seqs.clear()
-                runner.requests.clear()
-                runner.fan_out.clear()
+                # Both calls free the cache of an engine before this one (or one that lost
+                # track of this worker), and the sequences it held there.
                 self.worker.initialize_cache(*msg.args)
                 result = []
             else:

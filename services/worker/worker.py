@@ -1,4 +1,6 @@
 """Worker: one device's model, KV cache and runner (the seed's Worker)."""
+import gc
+
 import structlog
 import torch
 
@@ -33,7 +35,10 @@ class Worker:
 
     @torch.inference_mode()
     def determine_num_available_blocks(self) -> tuple[int, int]:
-        """(device blocks, CPU swap blocks) that fit the memory budget after a profile run."""
+        """(device blocks, CPU swap blocks) that fit the memory budget after a profile run.
+        A cache this worker still holds (an engine before this one) is freed first: it would
+        count against the budget, and sit beside the new cache while that is allocated."""
+        self.free_cache()
         cache = self.config.cache_config
         block_bytes = CacheEngine.get_cache_block_size_bytes(cache, self.config.model_config)
         num_cpu = int(cache.swap_space_gib * _GIB) // block_bytes
@@ -41,7 +46,6 @@ class Worker:
             return cache.num_gpu_blocks_override, num_cpu
         if self.device.type == "cpu":
             return int(cache.kv_cache_space_gib * _GIB) // block_bytes, num_cpu
-        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         self.model_runner.profile_run(self.config.scheduler_config.max_num_batched_tokens)
         torch.cuda.synchronize(self.device)
@@ -52,6 +56,7 @@ class Worker:
         return max(int(budget) // block_bytes, 0), num_cpu
 
     def initialize_cache(self, num_device_blocks: int, num_cpu_blocks: int) -> None:
+        self.free_cache()  # never two caches at once
         cache = self.config.cache_config
         cache.num_device_blocks = num_device_blocks
         cache.num_cpu_blocks = num_cpu_blocks
@@ -60,6 +65,22 @@ class Worker:
         log.info("kv cache ready", device_blocks=num_device_blocks, cpu_blocks=num_cpu_blocks,
                  block_size=cache.block_size,
                  attention_backend=self.model_runner.attn_backend.name)
+
+    def free_cache(self) -> None:
+        """Drops the KV cache (device and swap) and the runner's sequences, whose K/V it held:
+        they belong to the engine that made the cache, and a new one must not find them as its
+        own. On CUDA the memory goes back to the device, so that a profile sees it free; on the
+        CPU a layer's cache is unmapped with it where it has a mapping of its own (host_memory;
+        smaller ones share a mapping with other tensors)."""
+        runner = self.model_runner
+        runner.kv_caches = None
+        runner.seqs.clear()
+        runner.requests.clear()
+        runner.fan_out.clear()
+        self.cache_engine = None
+        gc.collect()  # whatever cycle still holds a cache tensor
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def execute_model(self, request: ExecuteModelRequest) -> SamplerOutput:
         # Block moves first: this step's sequences may read blocks just swapped in or copied.
