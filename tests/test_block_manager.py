@@ -1,9 +1,13 @@
 """BlockManager: paged block allocation, prefix caching, fork copy-on-write, swap."""
 import itertools
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 
+from services.engine import block_hash
 from services.engine.block_manager import AllocStatus, BlockManager
 from services.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from shared.sampling_params import SamplingParams
@@ -12,8 +16,8 @@ BS = 4  # block size in every test
 _ids = itertools.count()
 
 
-def make_group(prompt: list[int]) -> SequenceGroup:
-    seq = Sequence(next(_ids), prompt)
+def make_group(prompt: list[int], cache_salt: str | None = None) -> SequenceGroup:
+    seq = Sequence(next(_ids), prompt, cache_salt=cache_salt)
     return SequenceGroup(f"req-{seq.seq_id}", None, prompt, SamplingParams(), seq, seed=0,
                          eos_token_ids=[])
 
@@ -67,7 +71,8 @@ class FakeKVCache:
 
 
 def fork(bm: BlockManager, group: SequenceGroup, parent: Sequence) -> Sequence:
-    child = Sequence(next(_ids), group.prompt_token_ids, sample_index=len(group.seqs))
+    child = Sequence(next(_ids), group.prompt_token_ids, sample_index=len(group.seqs),
+                     cache_salt=group.cache_salt)
     child.token_ids = list(parent.token_ids)
     child.num_computed_tokens = parent.num_computed_tokens
     group.seqs.append(child)
@@ -79,8 +84,8 @@ def ref_count(bm: BlockManager, block_id: int) -> int:
     return bm.device_pool.blocks[block_id].ref_count
 
 
-def prefilled(bm, cache, prompt):
-    group = make_group(prompt)
+def prefilled(bm, cache, prompt, cache_salt=None):
+    group = make_group(prompt, cache_salt)
     cache.prefill(group.first_seq)
     return group.first_seq
 
@@ -298,6 +303,124 @@ def test_reset_prefix_cache_is_refused_while_blocks_are_held():
     bm.free(a)
     assert bm.reset_prefix_cache() is True
     assert cache.prefill(make_group(list(range(9))).first_seq) == 0
+
+
+# --- block identity: digests and cache salts ---
+
+_real_block_digest = block_hash.block_digest
+
+
+def _digest_seeing_two_bytes_of_the_parent(parent: bytes, token_ids: list[int]) -> bytes:
+    """A weak block digest: like a short hash of the parent's key, it keeps two bytes of the
+    parent's digest, so two prefixes whose parents agree on them get the same child digests."""
+    return _real_block_digest(parent[:2], token_ids)
+
+
+def _two_first_blocks_whose_weak_digests_agree_on_two_bytes() -> tuple[list[int], list[int]]:
+    seen: dict[bytes, list[int]] = {}
+    for i in itertools.count():  # a birthday search: a few hundred blocks
+        block = [7, 7, 7, i]
+        head = _digest_seeing_two_bytes_of_the_parent(block_hash.NO_NAMESPACE, block)[:2]
+        if head in seen:
+            return seen[head], block
+        seen[head] = block
+
+
+def test_prefixes_whose_parent_digests_collide_do_not_share_blocks(monkeypatch):
+    a0, b0 = _two_first_blocks_whose_weak_digests_agree_on_two_bytes()
+    tail = [50, 51, 52, 53]
+
+    def serve_b() -> tuple[int, bool]:
+        """Caches a0+tail and b0, then admits b0+tail: how many tokens b is served from the
+        cache, and whether its second block is the one computed after a0."""
+        bm = make_manager()
+        cache = FakeKVCache(bm)
+        a = prefilled(bm, cache, a0 + tail + [1])
+        prefilled(bm, cache, b0 + [60] * BS + [1])
+        b = make_group(b0 + tail + [2]).first_seq
+        num_cached = cache.prefill(b)
+        return num_cached, bm.get_block_table(b)[1] == bm.get_block_table(a)[1]
+
+    with monkeypatch.context() as patch:
+        patch.setattr(block_hash, "block_digest", _digest_seeing_two_bytes_of_the_parent)
+        assert serve_b() == (2 * BS, True)  # the leak the real digest prevents
+    assert serve_b() == (BS, False)  # only b0, which b really shares
+
+
+def test_equal_prefixes_have_equal_digests_and_share_blocks():
+    bm = make_manager()
+    cache = FakeKVCache(bm)
+    a = prefilled(bm, cache, list(range(8)) + [1])
+    b = prefilled(bm, cache, list(range(8)) + [2])
+    assert bm._tables[b.seq_id].block_hashes == bm._tables[a.seq_id].block_hashes
+    assert bm.get_block_table(b)[:2] == bm.get_block_table(a)[:2]
+
+
+def test_only_requests_with_an_equal_cache_salt_share_blocks():
+    bm = make_manager(num_device_blocks=32)
+    cache = FakeKVCache(bm)
+    prompt = list(range(12)) + [50]
+    salts = (None, "tenant-a", "tenant-b")
+    first = {}
+    for salt in salts:  # no salt, a salt and another salt: none finds another's blocks
+        seq = make_group(prompt, salt).first_seq
+        assert cache.prefill(seq) == 0, salt
+        first[salt] = bm.get_block_table(seq)[:3]
+    assert len({b for blocks in first.values() for b in blocks}) == 9
+    for salt in salts:  # the same namespace again: all three blocks are found
+        seq = make_group(prompt, salt).first_seq
+        assert cache.prefill(seq) == 12, salt
+        assert bm.get_block_table(seq)[:3] == first[salt]
+        assert cache.read(seq) == seq.token_ids
+
+
+def test_a_salted_fork_and_a_salted_swap_in_cache_blocks_under_the_salt():
+    bm = make_manager()
+    cache = FakeKVCache(bm)
+    group = make_group([1, 2, 3], cache_salt="tenant-a")
+    cache.prefill(group.first_seq)
+    child = fork(bm, group, group.first_seq)
+    cache.decode(child, 4)
+    cache.decode(child, 5)  # the child's first block [1, 2, 3, 4] is known: it is cached
+    probe = [1, 2, 3, 4, 9]
+    assert bm.get_num_cached_tokens(make_group(probe).first_seq) == 0
+    assert bm.get_num_cached_tokens(make_group(probe, "tenant-a").first_seq) == 4
+    cache.copy(bm.swap_out(group), cache.device, cache.cpu)
+    assert bm.reset_prefix_cache()
+    cache.copy(bm.swap_in(group), cache.cpu, cache.device)
+    assert bm.get_num_cached_tokens(make_group(probe).first_seq) == 0
+    assert bm.get_num_cached_tokens(make_group(probe, "tenant-a").first_seq) == 4
+
+
+def test_a_fork_must_keep_the_cache_salt_of_its_parent():
+    bm = make_manager()
+    parent = make_group([1, 2, 3], cache_salt="tenant-a").first_seq
+    bm.allocate_prefix(parent)
+    with pytest.raises(AssertionError, match="salt"):
+        bm.fork(parent, Sequence(next(_ids), [1, 2, 3], sample_index=1))
+
+
+@pytest.mark.parametrize("salt", ["", "x" * 257, b"tenant", 7])
+def test_a_cache_salt_must_be_a_short_non_empty_str(salt):
+    with pytest.raises(ValueError, match="cache_salt"):
+        Sequence(next(_ids), [1, 2, 3], cache_salt=salt)
+    assert Sequence(next(_ids), [1], cache_salt="x" * 256).cache_salt == "x" * 256
+
+
+def test_block_digests_are_32_bytes_and_the_same_in_every_process():
+    tokens = [0, 1, 2**31, 2**32 - 1]
+    code = ("from services.engine import block_hash as h; "
+            f"print(h.block_digest(h.namespace_digest('tenant-a'), {tokens}).hex())")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def digest_in_a_process_with_hash_seed(seed: str) -> str:
+        env = {**os.environ, "PYTHONPATH": root, "PYTHONHASHSEED": seed}
+        return subprocess.run([sys.executable, "-c", code], cwd=root, env=env, check=True,
+                              capture_output=True, text=True, timeout=60).stdout.strip()
+
+    here = block_hash.block_digest(block_hash.namespace_digest("tenant-a"), tokens)
+    assert len(here) == block_hash.DIGEST_SIZE == 32
+    assert {digest_in_a_process_with_hash_seed(s) for s in ("0", "4242")} == {here.hex()}
 
 
 # --- growing, fork, copy-on-write ---

@@ -126,6 +126,24 @@ def test_prefix_caching_reuses_a_shared_prefix_and_keeps_greedy_output(llm, refe
     assert_greedy_parity(outputs, reference, "prefix caching")
 
 
+def test_prefix_cache_blocks_are_shared_only_by_requests_with_an_equal_cache_salt(llm, reference):
+    engine = llm.llm_engine
+    bm = engine.scheduler.block_manager
+    prompt = llm.get_tokenizer().encode(PROMPTS[-1])  # 59 tokens: 3 blocks can be hits
+    with pytest.raises(ValueError, match="cache_salt"):
+        engine.add_request("salt-empty", None, GREEDY, prompt_token_ids=prompt, cache_salt="")
+    hits, outputs = [], []
+    for i, salt in enumerate([None, "tenant-a", "tenant-b", "tenant-a"]):
+        hits_before = bm.num_hit_blocks
+        engine.add_request(f"salt-{i}", None, GREEDY, prompt_token_ids=prompt, cache_salt=salt)
+        while engine.has_unfinished_requests():
+            outputs += [out for out in engine.step() if out.finished]
+        hits.append(bm.num_hit_blocks - hits_before)
+    assert hits[1:] == [0, 0, 3]  # the unsalted run (maybe a hit itself) serves neither salt
+    assert_greedy_parity(outputs, reference, "cache salts")
+    assert free_blocks_are_all(engine)
+
+
 @pytest.fixture(scope="module")
 def chunked_llm():
     return LLM(max_num_batched_tokens=32, enable_chunked_prefill=True, kv_cache_space_gib=0.1,

@@ -3,8 +3,9 @@
 Position p of a sequence is slot p % block_size of block table[p // block_size]. Blocks are shared
 by reference count: between a parent and its forks (n > 1; copy-on-write when one of them writes
 into a shared block), and — with prefix caching — between sequences whose leading full blocks hold
-the same tokens. A full block's hash is hash((parent block's hash, its token ids)), so equal hashes
-mean equal prefixes, not just equal blocks.
+the same tokens in the same cache namespace (the request's `cache_salt`). A full block is known by
+its SHA-256 digest over its parent block's digest and its token ids, so equal digests mean equal
+prefixes, not just equal blocks: see block_hash.
 
 Contract with the Scheduler:
 - `allocate_prefix` is the first allocation of a sequence. It attaches cached blocks and returns how
@@ -12,7 +13,7 @@ Contract with the Scheduler:
   `append_slots` for the tokens it schedules. At most (known tokens - 1) // block_size blocks
   are taken from the cache: the last token is always computed because its logits are needed,
   and never computing into a cached block keeps cached blocks read-only.
-- `append_slots` is called before `num_computed_tokens` is advanced by the step. It also hashes
+- `append_slots` is called before `num_computed_tokens` is advanced by the step. It also digests
   (caches) full blocks: a block is cached once all its tokens are scheduled for computation and
   known. With one step in flight the newest token is still a placeholder; its block is cached at
   the first call after the placeholder is filled.
@@ -22,7 +23,8 @@ Contract with the Scheduler:
 import enum
 from dataclasses import dataclass
 
-from services.engine.block_pool import NO_PARENT_HASH, Block, BlockPool, block_key
+from services.engine import block_hash
+from services.engine.block_pool import Block, BlockPool
 from services.engine.sequence import Sequence, SequenceGroup
 
 
@@ -37,7 +39,7 @@ class BlockTable:
     """One sequence's blocks, in either the device or the CPU pool."""
     blocks: list[Block]
     block_ids: list[int]  # the same blocks' ids, kept in step so a table read costs nothing
-    block_hashes: list[int]  # hashes of the leading full blocks cached so far
+    block_hashes: list[bytes]  # digests of the leading full blocks cached so far
     on_cpu: bool = False
 
 
@@ -109,23 +111,23 @@ class BlockManager:
             return 0
         return len(self._find_cached_prefix(seq)[0]) * self.block_size
 
-    def _find_cached_prefix(self, seq: Sequence) -> tuple[list[Block], list[int], int]:
+    def _find_cached_prefix(self, seq: Sequence) -> tuple[list[Block], list[bytes], int]:
         """The cached blocks matching the sequence's leading full blocks (up to the first miss),
-        their hashes, and how many blocks were eligible for a hit."""
+        their digests, and how many blocks were eligible for a hit."""
         bs = self.block_size
         # Only known tokens, and the last one is always computed.
         num_eligible = max(0, (self._num_known_tokens(seq) - 1) // bs)
         tokens = seq.token_ids
         hits, hashes = [], []
-        parent_hash = NO_PARENT_HASH
+        parent = block_hash.namespace_digest(seq.cache_salt)
         for i in range(num_eligible):
-            key = block_key(parent_hash, tokens[i * bs:(i + 1) * bs])
-            block = self.device_pool.lookup(key)
+            digest = block_hash.block_digest(parent, tokens[i * bs:(i + 1) * bs])
+            block = self.device_pool.lookup(digest)
             if block is None:
                 break
-            parent_hash = hash(key)
             hits.append(block)
-            hashes.append(parent_hash)
+            hashes.append(digest)
+            parent = digest
         return hits, hashes, num_eligible
 
     # --- growing a running sequence ---
@@ -177,16 +179,19 @@ class BlockManager:
         return start // self.block_size, _cdiv(start + num_new_tokens, self.block_size)
 
     def _cache_full_blocks(self, seq: Sequence, table: BlockTable, num_full_blocks: int) -> None:
-        # Only the blocks past those already hashed: a decode step hashes at most one block.
+        # Only the blocks past those already digested: a decode step digests at most one block.
         bs = self.block_size
         hashes = table.block_hashes
         for i in range(len(hashes), num_full_blocks):
-            parent_hash = hashes[-1] if hashes else NO_PARENT_HASH
-            key = block_key(parent_hash, seq.token_ids[i * bs:(i + 1) * bs])
-            self.device_pool.register(table.blocks[i], key)
-            hashes.append(hash(key))
+            parent = hashes[-1] if hashes else block_hash.namespace_digest(seq.cache_salt)
+            digest = block_hash.block_digest(parent, seq.token_ids[i * bs:(i + 1) * bs])
+            self.device_pool.register(table.blocks[i], digest)
+            hashes.append(digest)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
+        # The child caches its own later blocks, and after a recompute its prefix, in its salt's
+        # namespace: it must be the parent's.
+        assert child.cache_salt == parent.cache_salt, f"seq {child.seq_id} forked with another salt"
         src = self._device_table(parent)
         assert child.seq_id not in self._tables, f"seq {child.seq_id} already has blocks"
         for block in src.blocks:

@@ -4,22 +4,12 @@ of cached blocks that no sequence holds any more."""
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-# A cached block is found by its key: (parent block's hash, its token ids...). The key, not only its
-# hash, is what the map compares, so two different prefixes never share a block even if their
-# hashes collide. The first block of a sequence has no parent; hash() never returns -1.
-BlockKey = tuple[int, ...]
-NO_PARENT_HASH = -1
-
-
-def block_key(parent_hash: int, token_ids: list[int]) -> BlockKey:
-    return (parent_hash, *token_ids)
-
 
 @dataclass(eq=False)
 class Block:
     block_id: int
     ref_count: int = 0
-    key: BlockKey | None = None  # set while the block is in the prefix cache
+    digest: bytes | None = None  # set while the block is in the prefix cache: see block_hash
 
 
 class BlockPool:
@@ -32,7 +22,7 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free_uncached: deque[Block] = deque(self.blocks)
         self._free_cached: OrderedDict[int, Block] = OrderedDict()  # block id -> block, oldest first
-        self._cached: dict[BlockKey, Block] = {}  # every cached block, held or free
+        self._cached: dict[bytes, Block] = {}  # digest -> block, every cached block, held or free
 
     @property
     def num_free(self) -> int:
@@ -44,8 +34,8 @@ class BlockPool:
         else:
             assert self._free_cached, "no free block: check can_allocate / can_append_slots first"
             _, block = self._free_cached.popitem(last=False)  # least recently used
-            del self._cached[block.key]
-            block.key = None
+            del self._cached[block.digest]
+            block.digest = None
         assert block.ref_count == 0, f"block {block.block_id} reused while held"
         block.ref_count = 1
         return block
@@ -54,40 +44,40 @@ class BlockPool:
         assert block.ref_count > 0, f"double free of block {block.block_id}"
         block.ref_count -= 1
         if block.ref_count == 0:
-            if block.key is not None:
+            if block.digest is not None:
                 self._free_cached[block.block_id] = block  # most recently used end
             else:
                 self._free_uncached.append(block)
 
-    def lookup(self, key: BlockKey) -> Block | None:
-        return self._cached.get(key)
+    def lookup(self, digest: bytes) -> Block | None:
+        return self._cached.get(digest)
 
     def hold(self, block: Block) -> None:
         """One more holder of a block that is already in use or cached-but-free (revived)."""
         if block.ref_count == 0:
-            assert block.key is not None, f"block {block.block_id} is free and uncached"
+            assert block.digest is not None, f"block {block.block_id} is free and uncached"
             del self._free_cached[block.block_id]
         block.ref_count += 1
 
-    def register(self, block: Block, key: BlockKey) -> None:
-        """Make a held, full block findable by its key. If an identical block is already cached
-        (two sequences computed the same prefix at the same time), the first one stays the
-        cached copy and this one stays private. A block already cached under this key (a fork
+    def register(self, block: Block, digest: bytes) -> None:
+        """Make a held, full block findable by its digest. If an identical block is already
+        cached (two sequences computed the same prefix at the same time), the first one stays the
+        cached copy and this one stays private. A block already cached under this digest (a fork
         shares it, and its holders learn of it at different times) stays as it is."""
         assert block.ref_count > 0
-        if block.key is not None:
-            assert block.key == key, f"block {block.block_id} cached under another key"
+        if block.digest is not None:
+            assert block.digest == digest, f"block {block.block_id} cached under another digest"
             return
-        if key not in self._cached:
-            block.key = key
-            self._cached[key] = block
+        if digest not in self._cached:
+            block.digest = digest
+            self._cached[digest] = block
 
     def reset_cache(self) -> bool:
         """Forget every cached block; refused while any block is held."""
         if self.num_free != self.num_blocks:
             return False
         for block in self._free_cached.values():
-            block.key = None
+            block.digest = None
             self._free_uncached.append(block)
         self._free_cached.clear()
         self._cached.clear()

@@ -77,7 +77,8 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | None, sampling_params: SamplingParams,
                     prompt_token_ids: list[int] | None = None,
                     arrival_time: float | None = None,
-                    eos_token_ids: list[int] | None = None) -> SequenceGroup:
+                    eos_token_ids: list[int] | None = None,
+                    cache_salt: str | None = None) -> SequenceGroup:
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not isinstance(sampling_params, SamplingParams):
@@ -106,7 +107,7 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
         seed = sampling_params.seed if sampling_params.seed is not None else self.rng.getrandbits(31)
-        seq = Sequence(next(self.seq_counter), prompt_token_ids)
+        seq = Sequence(next(self.seq_counter), prompt_token_ids, cache_salt=cache_salt)
         eos = self.eos_token_ids if eos_token_ids is None else eos_token_ids
         group = SequenceGroup(request_id, prompt, prompt_token_ids, sampling_params, seq, seed,
                               eos, arrival_time)
@@ -160,7 +161,8 @@ class LLMEngine:
             # children now, so that they join the very next step in lockstep with the parent.
             parent = seqs[0]
             for j in range(1, n):
-                child = Sequence(next(self.seq_counter), group.prompt_token_ids, sample_index=j)
+                child = Sequence(next(self.seq_counter), group.prompt_token_ids, sample_index=j,
+                                 cache_salt=group.cache_salt)
                 child.num_computed_tokens = parent.num_computed_tokens
                 child.status = SequenceStatus.RUNNING
                 child.parent_seq_id = parent.seq_id

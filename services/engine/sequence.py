@@ -4,6 +4,7 @@ import time
 from dataclasses import dataclass, field
 
 from proto.messages import PLACEHOLDER
+from services.engine.block_hash import check_cache_salt
 from shared.sampling_params import SamplingParams
 
 
@@ -31,8 +32,12 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """One sequence of tokens: the prompt and what has been generated after it."""
 
-    def __init__(self, seq_id: int, prompt_token_ids: list[int], sample_index: int = 0):
+    def __init__(self, seq_id: int, prompt_token_ids: list[int], sample_index: int = 0,
+                 cache_salt: str | None = None):
         self.seq_id = seq_id
+        # The request's prefix-cache namespace: only sequences with an equal salt (or none) share
+        # cached blocks. Forks of a request must be given the same one.
+        self.cache_salt = check_cache_salt(cache_salt)
         self.prompt_len = len(prompt_token_ids)
         self.token_ids: list[int] = list(prompt_token_ids)
         self.sample_index = sample_index
@@ -142,6 +147,10 @@ class SequenceGroup:
     @property
     def first_seq(self) -> Sequence:
         return self.seqs[0]
+
+    @property
+    def cache_salt(self) -> str | None:
+        return self.first_seq.cache_salt
 
     @property
     def prompt_len(self) -> int:
