@@ -10,6 +10,7 @@ import math
 import os
 from dataclasses import dataclass, field, fields
 
+import structlog
 import torch
 
 from shared.model_source import ModelNotFoundError, ModelSource, resolve_model
@@ -22,6 +23,8 @@ class ConfigError(ValueError):
         super().__init__(f"{field_name}: {message}")
         self.field = field_name
 
+
+log = structlog.get_logger("config")
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -59,9 +62,9 @@ class ModelConfig:
 @dataclass
 class CacheConfig:
     block_size: int
-    gpu_memory_utilization: float
-    kv_cache_space_gib: float | None  # CPU device: the KV cache's size
-    swap_space_gib: float  # CPU memory for swapped-out blocks
+    gpu_memory_utilization: float | None  # CUDA: share of device memory to fill; None on the CPU
+    kv_cache_space_gib: float | None  # CPU: the KV cache's size; None on CUDA
+    swap_space_gib: float  # CPU memory for swapped-out blocks (preemption_mode "swap" only)
     num_gpu_blocks_override: int | None
     enable_prefix_caching: bool
     # Filled in after the profile run (Executor.determine_num_available_blocks).
@@ -114,6 +117,8 @@ def load_hf_config(source: ModelSource):
 
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+_GPU_MEMORY_UTILIZATION = 0.9  # defaults of the two per-device KV cache budgets
+_KV_CACHE_SPACE_GIB = 2.0
 
 
 @dataclass
@@ -125,9 +130,18 @@ class EngineArgs:
     seed: int = 0
     max_model_len: int | None = None
     block_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    kv_cache_space_gib: float = 2.0  # KV cache size when the device is the CPU
-    swap_space: float = 1.0  # GiB of CPU memory for swapped-out blocks
+    # Each sizes the KV cache on one device; None takes that device's default. Set on the
+    # other device, it has no effect and a warning says so.
+    gpu_memory_utilization: float | None = field(default=None, metadata={"help": (
+        "CUDA: the share of device memory that weights, activations (measured by a profile "
+        f"run) and the KV cache may fill (default {_GPU_MEMORY_UTILIZATION}); no effect on the "
+        "CPU")})
+    kv_cache_space_gib: float | None = field(default=None, metadata={"help": (
+        f"CPU: GiB of KV cache (default {_KV_CACHE_SPACE_GIB}); no effect on CUDA, where "
+        "--gpu-memory-utilization sizes it")})
+    swap_space: float = field(default=1.0, metadata={"help": (
+        "GiB of CPU memory for blocks swapped out by preemption; allocated only with "
+        "--preemption-mode swap (default %(default)s)")})
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -167,11 +181,7 @@ class EngineArgs:
                                                f"max_position_embeddings ({limit})")
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ConfigError("block_size", f"must be one of 8, 16, 32, 64, 128, got {self.block_size}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ConfigError("gpu_memory_utilization",
-                              f"must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.kv_cache_space_gib <= 0:
-            raise ConfigError("kv_cache_space_gib", f"must be positive, got {self.kv_cache_space_gib}")
+        gpu_memory_utilization, kv_cache_space_gib = self._kv_cache_budget(device)
         if self.swap_space < 0:
             raise ConfigError("swap_space", f"must be >= 0, got {self.swap_space}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override <= 0:
@@ -213,8 +223,8 @@ class EngineArgs:
                 source=source, tokenizer=self.tokenizer or source.path, dtype=dtype,
                 seed=self.seed, max_model_len=max_model_len, hf_config=hf_config),
             cache_config=CacheConfig(
-                block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
-                kv_cache_space_gib=self.kv_cache_space_gib, swap_space_gib=self.swap_space,
+                block_size=self.block_size, gpu_memory_utilization=gpu_memory_utilization,
+                kv_cache_space_gib=kv_cache_space_gib, swap_space_gib=self.swap_space,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 enable_prefix_caching=self.enable_prefix_caching),
             scheduler_config=SchedulerConfig(
@@ -270,6 +280,30 @@ class EngineArgs:
                                         f"devices")
         return device
 
+    def _kv_cache_budget(self, device: torch.device) -> tuple[float | None, float | None]:
+        """(gpu_memory_utilization, kv_cache_space_gib): the one that sizes the KV cache on
+        this device, defaulted, and None for the other. The other is still checked; set, it
+        is no error (one set of flags may serve both devices) but gets a warning, since it
+        changes nothing."""
+        gpu, space = self.gpu_memory_utilization, self.kv_cache_space_gib
+        if gpu is not None and not 0.0 < gpu <= 1.0:
+            raise ConfigError("gpu_memory_utilization", f"must be in (0, 1], got {gpu}")
+        if space is not None and space <= 0:
+            raise ConfigError("kv_cache_space_gib", f"must be positive, got {space}")
+        if device.type == "cpu":
+            space = _KV_CACHE_SPACE_GIB if space is None else space
+            if gpu is not None:
+                log.warning("gpu_memory_utilization has no effect on the CPU, where "
+                            "kv_cache_space_gib sizes the KV cache",
+                            gpu_memory_utilization=gpu, kv_cache_space_gib=space)
+            return None, space
+        gpu = _GPU_MEMORY_UTILIZATION if gpu is None else gpu
+        if space is not None:
+            log.warning("kv_cache_space_gib has no effect on CUDA, where a profile run and "
+                        "gpu_memory_utilization size the KV cache",
+                        kv_cache_space_gib=space, gpu_memory_utilization=gpu)
+        return gpu, None
+
     def _dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":
             return torch.float32 if device.type == "cpu" else torch.bfloat16
@@ -284,10 +318,12 @@ class EngineArgs:
         for f in fields(cls):
             flag = "--" + f.name.replace("_", "-")
             default = f.default
+            help_text = f.metadata.get("help")
             if f.type in (bool, "bool"):
-                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                                   help=help_text)
             else:
-                group.add_argument(flag, type=_cli_type(f.type), default=default)
+                group.add_argument(flag, type=_cli_type(f.type), default=default, help=help_text)
         return parser
 
     @classmethod

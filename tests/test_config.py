@@ -4,6 +4,7 @@ import argparse
 import dataclasses
 
 import pytest
+import structlog
 import torch
 
 from shared.config import ConfigError, EngineArgs
@@ -44,6 +45,65 @@ def test_values_reach_their_component_configs(model_folder):
     assert config.device_config.device == torch.device("cpu")
     assert config.device_config.attention_backend == "cpu"
     assert (m.num_layers, m.num_kv_heads, m.head_dim, m.vocab_size) == (3, 2, 16, 256)
+
+
+# --- the KV cache budget of each device --------------------------------------------------------
+
+@pytest.fixture
+def on_cuda(monkeypatch):
+    """Configuration as on a CUDA host (nothing in it touches the device)."""
+    monkeypatch.setattr(EngineArgs, "_device", lambda self: torch.device("cuda"))
+
+
+def budget_of(args: EngineArgs) -> tuple[tuple, list[dict]]:
+    """((gpu_memory_utilization, kv_cache_space_gib) as configured, the warnings logged)."""
+    with structlog.testing.capture_logs() as logs:
+        cache = args.create_engine_config().cache_config
+    warnings = [e for e in logs if e["log_level"] == "warning"]
+    return (cache.gpu_memory_utilization, cache.kv_cache_space_gib), warnings
+
+
+def test_each_device_defaults_its_own_budget_and_leaves_the_other_unset(model_folder, on_cuda):
+    assert budget_of(EngineArgs(model=model_folder)) == ((0.9, None), [])
+    assert budget_of(EngineArgs(model=model_folder, gpu_memory_utilization=0.5)) == ((0.5, None), [])
+
+
+def test_the_cpu_budget_is_the_kv_cache_space(model_folder):
+    assert budget_of(EngineArgs(model=model_folder, device="cpu")) == ((None, 2.0), [])
+    assert budget_of(EngineArgs(model=model_folder, device="cpu",
+                                kv_cache_space_gib=0.5)) == ((None, 0.5), [])
+
+
+def test_gpu_memory_utilization_on_the_cpu_is_warned_about(model_folder):
+    budget, warnings = budget_of(EngineArgs(model=model_folder, device="cpu",
+                                            gpu_memory_utilization=0.5, kv_cache_space_gib=0.25))
+    assert budget == (None, 0.25)
+    assert len(warnings) == 1
+    assert warnings[0]["event"].startswith("gpu_memory_utilization has no effect on the CPU")
+    assert "kv_cache_space_gib sizes the KV cache" in warnings[0]["event"]
+    assert warnings[0]["gpu_memory_utilization"] == 0.5
+
+
+def test_kv_cache_space_on_cuda_is_warned_about(model_folder, on_cuda):
+    budget, warnings = budget_of(EngineArgs(model=model_folder, kv_cache_space_gib=0.5))
+    assert budget == (0.9, None)
+    assert len(warnings) == 1
+    assert warnings[0]["event"].startswith("kv_cache_space_gib has no effect on CUDA")
+    assert "gpu_memory_utilization size the KV cache" in warnings[0]["event"]
+    assert warnings[0]["kv_cache_space_gib"] == 0.5
+
+
+def test_swap_space_without_swap_preemption_is_accepted_silently(model_folder):
+    budget, warnings = budget_of(EngineArgs(model=model_folder, device="cpu", swap_space=4.0,
+                                            preemption_mode="recompute"))
+    assert warnings == []
+
+
+def test_the_help_states_each_budgets_device_and_default():
+    text = " ".join(parser().format_help().split())
+    assert "CUDA: the share of device memory" in text and "(default 0.9); no effect on the CPU" in text
+    assert "CPU: GiB of KV cache (default 2.0); no effect on CUDA" in text
+    assert "allocated only with --preemption-mode swap (default 1.0)" in text
 
 
 def test_auto_dtype_is_float32_on_the_cpu(model_folder):

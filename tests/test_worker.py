@@ -1,5 +1,5 @@
-"""Worker on the CPU with a tiny random model: what happens to an old engine's KV cache when a
-new engine sets the worker up again."""
+"""Worker on the CPU with a tiny random model: the KV cache it sizes and allocates for an engine,
+and what happens to an old engine's cache when a new engine sets the worker up again."""
 import weakref
 
 import pytest
@@ -8,6 +8,10 @@ from services.worker.worker import Worker
 from shared.config import EngineArgs
 from tests.helpers import save_random_model, tiny_llama_config
 from tests.test_host_memory import run_fresh
+
+# 3 layers, 2 KV heads of 16, float32: 12 KiB a block of 16 tokens.
+BLOCK_BYTES = 2 * 3 * 16 * 2 * 16 * 4
+
 
 @pytest.fixture(scope="module")
 def model_folder(tmp_path_factory) -> str:
@@ -23,6 +27,18 @@ def new_worker(model_folder: str, **engine_args) -> Worker:
     worker = Worker(config)
     worker.load_model()
     return worker
+
+
+def test_swap_blocks_only_in_swap_mode(model_folder):
+    # swap_space is given in both cases; only preemption by swap ever uses it.
+    for mode, num_cpu in (("recompute", 0), ("swap", (1 << 30) // 64 // BLOCK_BYTES)):
+        worker = new_worker(model_folder, preemption_mode=mode, swap_space=1 / 64)
+        num_device, num_cpu_blocks = worker.determine_num_available_blocks()
+        assert (num_device, num_cpu_blocks) == (int(0.01 * (1 << 30)) // BLOCK_BYTES, num_cpu)
+        worker.initialize_cache(num_device, num_cpu_blocks)
+        for k, v in worker.cache_engine.cpu_cache:
+            assert k.shape[0] == v.shape[0] == num_cpu
+            assert (k.numel() == 0) == (mode == "recompute")
 
 
 def test_a_new_engines_setup_frees_the_old_cache_and_sizes_the_same_one(model_folder):

@@ -41,7 +41,9 @@ class Worker:
         self.free_cache()
         cache = self.config.cache_config
         block_bytes = CacheEngine.get_cache_block_size_bytes(cache, self.config.model_config)
-        num_cpu = int(cache.swap_space_gib * _GIB) // block_bytes
+        # Only preemption by swap ever moves blocks to the CPU.
+        swap = self.config.scheduler_config.preemption_mode == "swap"
+        num_cpu = int(cache.swap_space_gib * _GIB) // block_bytes if swap else 0
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override, num_cpu
         if self.device.type == "cpu":
