@@ -548,8 +548,9 @@ def register_message(cls: type, tag: int, version: int = 1) -> None:
     _BY_TAG[tag] = (cls, version, _dataclass_kind(cls))
 
 
-register_message(GenerateRequest, 1)
-register_message(EngineRequest, 2)
+# Version 2: cache_salt and resumed.
+register_message(GenerateRequest, 1, version=2)
+register_message(EngineRequest, 2, version=2)
 register_message(AbortRequest, 3)
 register_message(FinishRequest, 4)
 register_message(TokenDeltas, 5)

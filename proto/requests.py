@@ -17,6 +17,15 @@ class ChatMessage:
 
 
 @dataclass
+class ResumedOutput:
+    """What a client already holds of one sequence of a request whose engine died: the new
+    engine recomputes these tokens as output (not prompt) and samples on from there."""
+    index: int  # which of the request's n samples
+    token_ids: list[int]
+    finished: bool = False  # the client has this sample's end; it is not run again
+
+
+@dataclass
 class GenerateRequest:
     """gateway → tokenizer: a request as the client gave it."""
     request_id: str
@@ -27,6 +36,11 @@ class GenerateRequest:
     prompt: str | list[int] | list[ChatMessage]
     sampling_params: SamplingParams
     arrival_time: float  # time.time() when the gateway received it, for latency metrics
+    # Prefix-cache namespace: requests share cached KV blocks only when their salts are equal
+    # (None shares with every other request without one).
+    cache_salt: str | None = None
+    # Sent again after an engine restart: the output the client has already streamed.
+    resumed: list[ResumedOutput] = field(default_factory=list)
 
 
 @dataclass
@@ -40,6 +54,8 @@ class EngineRequest:
     # The tokenizer knows the model's end-of-sequence ids; the engine checks token ids only.
     eos_token_ids: list[int]
     arrival_time: float
+    cache_salt: str | None = None
+    resumed: list[ResumedOutput] = field(default_factory=list)  # see GenerateRequest
 
 
 @dataclass

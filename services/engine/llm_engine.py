@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import structlog
 
 from proto.messages import ExecuteModelRequest, SamplerOutput
+from proto.requests import ResumedOutput
 from shared.config import EngineArgs, PagodaConfig
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import eos_token_ids, get_tokenizer
@@ -22,6 +23,10 @@ log = structlog.get_logger("engine")
 
 class PromptTooLongError(ValueError):
     pass
+
+
+class NoKVCacheError(RuntimeError):
+    """The workers have no memory left for a KV cache."""
 
 
 @dataclass
@@ -51,8 +56,8 @@ class LLMEngine:
         self.executor = executor_class(config)
         num_device_blocks, num_cpu_blocks = self.executor.determine_num_available_blocks()
         if num_device_blocks <= 0:
-            raise RuntimeError("no memory left for the KV cache; lower max_num_batched_tokens "
-                               "or raise gpu_memory_utilization / kv_cache_space_gib")
+            raise NoKVCacheError("no memory left for the KV cache; lower max_num_batched_tokens "
+                                 "or raise gpu_memory_utilization / kv_cache_space_gib")
         self.executor.initialize_cache(num_device_blocks, num_cpu_blocks)
         config.cache_config.num_device_blocks = num_device_blocks
         config.cache_config.num_cpu_blocks = num_cpu_blocks
@@ -114,6 +119,57 @@ class LLMEngine:
         self.groups[request_id] = group
         self.scheduler.add_seq_group(group)
         return group
+
+    def resume_outputs(self, group: SequenceGroup, resumed: list[ResumedOutput]) -> None:
+        """A request that an engine which died had been running, sent again with the output its
+        client already has: each sample starts from its tokens (recomputed with the prompt,
+        counted as output), and a sample the client saw finish is not run again. Call right
+        after `add_request`, before the next step is scheduled. Raises ValueError for output
+        that does not fit the request."""
+        params = group.sampling_params
+        by_index: dict[int, ResumedOutput] = {}
+        for r in resumed:
+            if not 0 <= r.index < params.n or r.index in by_index:
+                raise ValueError(f"resumed output: sample index {r.index} repeated or not in "
+                                 f"[0, n={params.n})")
+            by_index[r.index] = r
+        vocab = self.model_config.vocab_size
+        max_len = self.config.scheduler_config.max_model_len
+        for r in by_index.values():
+            if any(not 0 <= t < vocab for t in r.token_ids):
+                raise ValueError(f"resumed output: token ids out of range [0, {vocab})")
+            if not r.finished and (group.prompt_len + len(r.token_ids) >= max_len or (
+                    params.max_tokens is not None and len(r.token_ids) >= params.max_tokens)):
+                raise ValueError(f"resumed output: sample {r.index} has {len(r.token_ids)} "
+                                 f"tokens and is not finished, but has no room to go on")
+        # The samples of a group run in lockstep. A client holds them so (a step's output of a
+        # request is one message); should one be ahead, it goes back to the others, and the
+        # client drops its recomputed tokens by their offset.
+        num_tokens = min((len(by_index[j].token_ids) if j in by_index else 0
+                          for j in range(params.n)
+                          if j not in by_index or not by_index[j].finished), default=0)
+        if num_tokens == 0 and not any(r.finished for r in by_index.values()):
+            return  # nothing to resume from: it starts as a new request
+        # Every sample is a sequence of its own from here (the prompt was sampled already, so
+        # there is no fan-out to fork), recomputed from its tokens like a preempted one.
+        seqs = [group.first_seq] + [
+            Sequence(next(self.seq_counter), group.prompt_token_ids, sample_index=j,
+                     cache_salt=group.cache_salt) for j in range(1, params.n)]
+        for seq in seqs:
+            r = by_index.get(seq.sample_index)
+            if r is None:
+                continue
+            token_ids = r.token_ids if r.finished else r.token_ids[:num_tokens]
+            seq.token_ids.extend(token_ids)
+            if params.logprobs is not None:
+                # Placeholders, so later logprobs line up with their tokens; the client drops
+                # this part of the output by its offset, having had the real values.
+                seq.output_logprobs = [{t: 0.0} for t in token_ids]
+            if r.finished:
+                seq.status = SequenceStatus.FINISHED_STOPPED
+        if all(seq.is_finished() for seq in seqs):
+            raise ValueError("resumed output: every sample is finished; nothing is left to run")
+        group.seqs = seqs
 
     def abort_request(self, request_id: str | list[str]) -> list[SequenceGroup]:
         aborted = self.scheduler.abort_seq_group(request_id)

@@ -196,7 +196,9 @@ def create_app(client, settings: GatewaySettings) -> FastAPI:
 
     # -- generation ------------------------------------------------------------------------------
     async def admit(request: Request):
-        """Refuse at once when this gateway is full (429) or the stack cannot serve (503)."""
+        """Refuse at once when this gateway is full (429) or the stack cannot serve (503). An
+        engine that is away (restarting, or recovering from a stuck step) is waited for, up
+        to the request timeout: the client holds the request meanwhile."""
         release = pending.try_acquire()
         if release is None:
             raise APIError(429, f"too many requests in flight (limit "
@@ -207,7 +209,7 @@ def create_app(client, settings: GatewaySettings) -> FastAPI:
         except BaseException:
             release()
             raise
-        if not status.ready:
+        if not status.ready and not (status.engine_coming_back and not client.engine_given_up):
             release()
             raise APIError(503, f"the stack cannot serve requests: {status.explain()}")
         return release
@@ -244,6 +246,9 @@ def create_app(client, settings: GatewaySettings) -> FastAPI:
         if not status.ready:
             body["missing"] = status.missing
             body["message"] = status.explain()
+        for key in ("error", "stalled_s"):
+            if key in details:
+                body[key] = details[key]
         return JSONResponse(body, status_code=200 if status.ready else 503)
 
     @app.get("/metrics")

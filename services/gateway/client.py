@@ -2,7 +2,8 @@
 
 Any Python service can use it; the HTTP gateway is one. It pushes GenerateRequests to the
 engine's front door (tokenizers pick them up), binds its own return address (its gateway id)
-where detokenizers push the text, and aborts requests whose consumer goes away.
+where detokenizers push the text, heartbeats to the engine (which aborts this client's requests
+when the heartbeats stop: the process died), and aborts requests whose consumer goes away.
 
 Faults it rides out or reports:
 - a request that is not acknowledged (`RequestAccepted`, or any output or error of it) within
@@ -10,16 +11,22 @@ Faults it rides out or reports:
   copies. After `max_resubmits` resends it fails with 503.
 - text that a detokenizer sends again (it took over a request from one that died) is dropped
   by its offset, so a stream never repeats itself.
-- the engine's control socket is probed every `probe_interval_s`: when it has not answered
-  for `engine_timeout_s`, or answers from another process (it restarted), the requests in
-  flight end with 503 at once, and new ones are refused with 503 until it answers "ok" again.
-  The sockets reconnect by themselves when the engine is back.
+- the engine's control socket is probed every `probe_interval_s`. When it answers from another
+  process (it restarted), every request in flight is sent again with the output its caller
+  already has (`ResumedOutput`): the new engine recomputes those tokens and samples on, and
+  its text, decoded again from the start, is cut where the caller's stream stands. Requests
+  without a seed get one here, so a sampled request also goes on as it would have. While the
+  engine is away new requests wait for it; only once it has been away for `output_timeout_s`
+  do the requests in flight end with 503 and new ones get 503 at once.
 """
 import asyncio
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import os
+import random
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -29,8 +36,10 @@ import zmq
 import zmq.asyncio
 
 from proto.codec import CodecError, decode, encode
+from proto.control import Register
 from proto.requests import (AbortRequest, ChatMessage, ErrorResponse, GenerateRequest,
-                            RequestAccepted, RequestTextDelta, SequenceTextDelta, TextDeltas)
+                            RequestAccepted, RequestTextDelta, ResumedOutput, SequenceTextDelta,
+                            TextDeltas)
 from shared.logging import get_logger
 from shared.sampling_params import SamplingParams
 from shared.sockets import (bind, bind_random_port, connect, make_socket, probe_health,
@@ -41,6 +50,7 @@ from services.engine.outputs import CompletionOutput, RequestOutput
 log = get_logger("client")
 
 _ACCEPTED = object()  # put in a request's queue when the engine acknowledges it
+_RESUBMIT = object()  # put there when a new engine is up: send the request again, resumed
 
 
 class EngineRequestError(RuntimeError):
@@ -54,13 +64,22 @@ class EngineRequestError(RuntimeError):
 
 @dataclass
 class _Stream:
-    """One request's outputs as they arrive, and how much of each sequence the caller has."""
+    """One request: what it asked, its outputs as they arrive, and how much of each sequence
+    the caller has."""
     queue: asyncio.Queue
     engine_epoch: int  # the engine process it was sent to (see `AsyncEngineClient._watch`)
+    prompt: str | list[int] | list[ChatMessage]
+    params: SamplingParams
+    arrival_time: float
+    cache_salt: str | None = None
     num_chars: dict[int, int] = field(default_factory=dict)  # by sample index
-    num_tokens: dict[int, int] = field(default_factory=dict)
+    token_ids: dict[int, list[int]] = field(default_factory=dict)  # what the caller has
     done: set[int] = field(default_factory=set)  # sample indices that finished
     failed: bool = False
+
+    def resumed(self) -> list[ResumedOutput]:
+        return [ResumedOutput(i, list(ids), i in self.done)
+                for i, ids in sorted(self.token_ids.items()) if ids or i in self.done]
 
 
 class AsyncEngineClient:
@@ -68,10 +87,11 @@ class AsyncEngineClient:
                  ack_timeout_s: float = 5.0, max_resubmits: int = 3,
                  engine_timeout_s: float | None = None, probe_interval_s: float = 1.0):
         """`output_timeout_s`: a request with no output for this long ends with an error
-        (the engine stopped answering) and is aborted. `ack_timeout_s`, `max_resubmits`: how
-        long to wait for the engine to acknowledge a request before sending it again, and how
-        often. `engine_timeout_s` (default: the stack's liveness timeout): how long the engine
-        may leave its control socket unanswered before the requests in flight fail with 503."""
+        (503), and so does every request while the engine has been away this long.
+        `ack_timeout_s`, `max_resubmits`: how long to wait for the engine to acknowledge a
+        request before sending it again, and how often. `engine_timeout_s` (default: the
+        stack's liveness timeout): how long the engine may leave its control socket
+        unanswered before it counts as away."""
         self.stack = stack or StackConfig()
         self.output_timeout_s = output_timeout_s
         self.ack_timeout_s = ack_timeout_s
@@ -98,39 +118,65 @@ class AsyncEngineClient:
         self._reader: asyncio.Task | None = None
         self._watchdog: asyncio.Task | None = None
         self.closed = False
+        self._heartbeat = GatewayHeartbeat(self.stack, self.gateway_id, self.curve)
         # What the watchdog knows of the engine.
         self.engine_ok = True  # answering, with status "ok" (until a probe says otherwise)
         self.engine_pid: int | None = None
         self.engine_epoch = 0  # counts engine restarts seen
-        self._last_answer = time.monotonic()
+        self._resumed_epoch = 0  # the epoch whose requests were last sent again
+        self._last_answer = self._last_ok = time.monotonic()
+        self._probed = False  # the watchdog's first probe is done
+        self._engine_back = asyncio.Event()  # set while the engine is ok
+        self._engine_back.set()
         self.num_resubmits = 0  # requests sent again for want of an acknowledgement
+        self.num_resumed = 0  # requests sent again, with their output, to a new engine
+        self.num_resumed_tokens = 0  # the output tokens they carried
 
     # -- public API ----------------------------------------------------------------------------
+    def engine_away_s(self) -> float:
+        """How long the engine has not been answering "ok" (0 while it does)."""
+        return 0.0 if self.engine_ok else time.monotonic() - self._last_ok
+
+    @property
+    def engine_given_up(self) -> bool:
+        """The engine has been away for longer than a request may wait for it."""
+        return self.engine_away_s() > self.output_timeout_s
+
     async def generate(self, prompt: str | list[int] | list[dict] | list[ChatMessage],
                        sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yields RequestOutputs whose completions hold the *new* text and tokens of each step;
         the last one has `finished=True`. Leaving the loop early aborts the request."""
         self._ensure_tasks()
         params = sampling_params or SamplingParams()
+        if params.seed is None:
+            # Drawn here rather than in the engine: a request resumed on a new engine then
+            # draws the tokens it would have drawn on the old one.
+            params = dataclasses.replace(params, seed=random.getrandbits(31))
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.streams:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        if not self.engine_ok:
-            raise EngineRequestError(503, "the engine is not available; retry later", request_id)
+        if not self._probed:
+            await self._probe()  # the first request: know whether the engine is there at all
+        if self.engine_given_up:
+            raise EngineRequestError(
+                503, f"the engine has not been available for {self.engine_away_s():.0f} s; "
+                     f"retry later", request_id)
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             prompt = [ChatMessage(m["role"], m["content"]) for m in prompt]
-        stream = _Stream(asyncio.Queue(), self.engine_epoch)
+        stream = _Stream(asyncio.Queue(), self.engine_epoch, prompt, params, time.time(),
+                         cache_salt)
         self.streams[request_id] = stream
         finished = False
         try:
             try:
-                frame = encode(GenerateRequest(request_id, self.gateway_id, prompt, params,
-                                               time.time()))
+                frame = self._frame(request_id, stream)
             except CodecError as e:  # e.g. a number too large for the wire
                 finished = True
                 raise EngineRequestError(400, f"the request cannot be encoded: {e}",
                                          request_id) from None
+            await self._wait_for_engine(request_id)
             await self._submit(frame, request_id)
             accepted, resends = False, 0
             while True:
@@ -139,6 +185,8 @@ class AsyncEngineClient:
                 try:
                     item = await asyncio.wait_for(stream.queue.get(), timeout)
                 except asyncio.TimeoutError:
+                    if not self.engine_ok:
+                        continue  # the watchdog resubmits it or, in the end, fails it
                     if accepted:
                         raise EngineRequestError(
                             503, f"no output from the engine for {self.output_timeout_s:.0f} s",
@@ -154,12 +202,30 @@ class AsyncEngineClient:
                                 request_id=request_id, attempt=resends + 1)
                     await self._submit(frame, request_id)
                     continue
+                if item is _RESUBMIT:
+                    frame = self._frame(request_id, stream)
+                    accepted, resends = False, 0
+                    num_tokens = sum(map(len, stream.token_ids.values()))
+                    self.num_resumed += 1
+                    self.num_resumed_tokens += num_tokens
+                    log.info("request sent to the new engine", request_id=request_id,
+                             resumed_tokens=num_tokens)
+                    await self._submit(frame, request_id)
+                    continue
                 accepted = True
                 if item is _ACCEPTED:
                     continue
                 if isinstance(item, EngineRequestError):
                     raise item
                 if isinstance(item, ErrorResponse):
+                    if item.code == 503 and resends < self.max_resubmits:
+                        # A tokenizer could not reach the engine (it is restarting): again,
+                        # once the engine is back.
+                        accepted, resends = False, resends + 1
+                        await self._wait_for_engine(request_id)
+                        frame = self._frame(request_id, stream)
+                        await self._submit(frame, request_id)
+                        continue
                     finished = True  # the stack already dropped it
                     raise EngineRequestError(item.code, item.message, request_id)
                 out = self._request_output(item, stream, params.n)
@@ -187,6 +253,7 @@ class AsyncEngineClient:
 
     def close(self) -> None:
         self.closed = True
+        self._heartbeat.stop()
         for task in (self._reader, self._watchdog):
             if task is not None:
                 task.cancel()
@@ -204,6 +271,22 @@ class AsyncEngineClient:
             self._reader = loop.create_task(self._read_results(), context=contextvars.Context())
         if self._watchdog is None or self._watchdog.done():
             self._watchdog = loop.create_task(self._watch(), context=contextvars.Context())
+        self._heartbeat.start()
+
+    def _frame(self, request_id: str, stream: _Stream) -> bytes:
+        return encode(GenerateRequest(request_id, self.gateway_id, stream.prompt, stream.params,
+                                      stream.arrival_time, stream.cache_salt, stream.resumed()))
+
+    async def _wait_for_engine(self, request_id: str) -> None:
+        """Returns once the engine answers ok; 503 once it has been away too long."""
+        while not self.engine_ok:
+            left = self.output_timeout_s - self.engine_away_s()
+            if left <= 0:
+                raise EngineRequestError(
+                    503, f"the engine has not been available for {self.engine_away_s():.0f} s; "
+                         f"retry later", request_id)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._engine_back.wait(), left)
 
     async def _submit(self, frame: bytes, request_id: str) -> None:
         # Connecting takes a moment after start (and after the engine restarts).
@@ -249,38 +332,62 @@ class AsyncEngineClient:
                         stream.queue.put_nowait(delta)
 
     async def _watch(self) -> None:
-        """Probe the engine; fail the requests in flight when it is gone or was restarted."""
         while True:
-            health = await self.health(min(1.0, self.engine_timeout_s))
-            now = time.monotonic()
-            if health is not None:
-                pid = health.details.get("pid")
-                if self.engine_pid is not None and pid != self.engine_pid:
-                    self.engine_epoch += 1
-                    log.warning("the engine restarted; requests in flight are lost", pid=pid)
-                    self._fail_streams("the engine restarted; the request was lost",
-                                       before_epoch=self.engine_epoch)
-                self.engine_pid = pid
-                self._last_answer = now
-                if (health.status == "ok") != self.engine_ok:
-                    log.info("engine available" if health.status == "ok"
-                             else "engine not available", status=health.status)
-                self.engine_ok = health.status == "ok"
-            elif now - self._last_answer > self.engine_timeout_s:
-                if self.engine_ok:
-                    log.warning("the engine is not answering; failing requests in flight",
-                                silent_s=round(now - self._last_answer, 1))
-                self.engine_ok = False
-                self._fail_streams(f"the engine has not answered for "
-                                   f"{self.engine_timeout_s:g} s")
+            await self._probe()
             await asyncio.sleep(self.probe_interval_s)
 
-    def _fail_streams(self, message: str, before_epoch: int | None = None) -> None:
+    async def _probe(self) -> None:
+        """Probe the engine once. When another engine process answers, send every request in
+        flight to it again (once it is ok); when none has answered ok for `output_timeout_s`,
+        fail them."""
+        health = await self.health(min(1.0, self.engine_timeout_s))
+        self._probed = True
+        now = time.monotonic()
+        if health is not None:
+            pid = health.details.get("pid")
+            if self.engine_pid is not None and pid != self.engine_pid:
+                self.engine_epoch += 1
+                log.warning("the engine restarted; requests in flight will be sent to it "
+                            "again", pid=pid, requests=len(self.streams))
+            self.engine_pid = pid
+            self._last_answer = now
+            ok = health.status == "ok"
+            if ok != self.engine_ok:
+                log.info("engine available" if ok else "engine not available",
+                         status=health.status)
+            self._set_engine_ok(ok, now)
+            if ok and self._resumed_epoch < self.engine_epoch:
+                self._resumed_epoch = self.engine_epoch
+                self._resubmit_streams(self.engine_epoch)
+        elif now - self._last_answer > self.engine_timeout_s:
+            if self.engine_ok:
+                log.warning("the engine is not answering; requests wait for it",
+                            silent_s=round(now - self._last_answer, 1),
+                            requests=len(self.streams))
+            self._set_engine_ok(False, now)
+        if self.engine_given_up:
+            self._fail_streams(f"the engine has not been available for "
+                               f"{self.engine_away_s():.0f} s")
+
+    def _set_engine_ok(self, ok: bool, now: float) -> None:
+        if ok:
+            self._last_ok = now
+            self._engine_back.set()
+        else:
+            self._engine_back.clear()
+        self.engine_ok = ok
+
+    def _resubmit_streams(self, epoch: int) -> None:
+        for stream in self.streams.values():
+            if stream.engine_epoch < epoch and not stream.failed:
+                stream.engine_epoch = epoch
+                stream.queue.put_nowait(_RESUBMIT)
+
+    def _fail_streams(self, message: str) -> None:
         for request_id, stream in self.streams.items():
-            if stream.failed or (before_epoch is not None and stream.engine_epoch >= before_epoch):
-                continue
-            stream.failed = True
-            stream.queue.put_nowait(EngineRequestError(503, message, request_id))
+            if not stream.failed:
+                stream.failed = True
+                stream.queue.put_nowait(EngineRequestError(503, message, request_id))
 
     @staticmethod
     def _unseen(s: SequenceTextDelta, stream: _Stream) -> SequenceTextDelta | None:
@@ -289,15 +396,16 @@ class AsyncEngineClient:
         if s.index in stream.done:
             return None  # replayed after its end
         have_chars = stream.num_chars.get(s.index, 0)
-        have_tokens = stream.num_tokens.get(s.index, 0)
+        have = stream.token_ids.setdefault(s.index, [])
+        have_tokens = len(have)
         if s.text_offset > have_chars or s.token_offset > have_tokens:
             log.warning("a gap in a stream", index=s.index, text_offset=s.text_offset,
                         have_chars=have_chars, token_offset=s.token_offset,
                         have_tokens=have_tokens)
         stream.num_chars[s.index] = max(have_chars, s.text_offset + len(s.text))
-        stream.num_tokens[s.index] = max(have_tokens, s.token_offset + len(s.token_ids))
         skip_chars = max(0, have_chars - s.text_offset)
         skip_tokens = max(0, have_tokens - s.token_offset)
+        have.extend(s.token_ids[skip_tokens:])
         if not skip_chars and not skip_tokens:
             return s
         if (skip_chars >= len(s.text) and skip_tokens >= len(s.token_ids)
@@ -343,3 +451,41 @@ class AsyncEngineClient:
             outputs=completions, finished=len(stream.done) >= n,
             num_prompt_tokens=delta.usage.prompt_tokens,
             num_output_tokens=delta.usage.completion_tokens)
+
+
+class GatewayHeartbeat:
+    """Tells the engine this client is alive, from a thread of its own (a busy event loop is
+    not a dead process): the engine aborts a client's requests when its heartbeats stop."""
+
+    def __init__(self, stack: StackConfig, gateway_id: str, curve):
+        self.stack = stack
+        self.frame = encode(Register("gateway", gateway_id, heartbeat=True))
+        self.curve = curve
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="gateway-heartbeat",
+                                            daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+
+    def _run(self) -> None:
+        ctx = zmq.Context()
+        sock = make_socket(ctx, zmq.PUSH)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # no beats queued up for an engine that is away
+        connect(sock, self.stack.engine_input, self.curve)
+        try:
+            while True:
+                with contextlib.suppress(zmq.Again):
+                    sock.send(self.frame, zmq.NOBLOCK)
+                if self._stop.wait(self.stack.liveness_timeout_s / 4):
+                    return
+        finally:
+            sock.close(0)
+            ctx.term()

@@ -50,7 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="generation requests in flight in this gateway; past it, 429 at once")
     g.add_argument("--request-timeout", type=float, default=60.0,
                    help="seconds without output from the engine after which a request fails "
-                        "(503, or an error event in a stream)")
+                        "(503, or an error event in a stream); also how long requests wait for "
+                        "an engine that is away (restarting): they are then sent to it again "
+                        "and go on where they were")
     EngineArgs.add_cli_args(parser)
     StackConfig.add_cli_args(parser)
 
@@ -92,7 +94,9 @@ def run(args: argparse.Namespace) -> int:
             # This process's own health (the launcher's and compose's probes): up once HTTP
             # is served. The stack's health is GET /health.
             return ("ok" if server.started else "starting",
-                    {"url": url, "requests_in_flight": app.state.pending.count})
+                    {"url": url, "requests_in_flight": app.state.pending.count,
+                     "requests_resumed": client.num_resumed,
+                     "resumed_tokens": client.num_resumed_tokens})
 
         ctx = zmq.Context()
         control = ControlServer(ctx, stack.control_for("gateway", args.instance), "gateway",

@@ -217,12 +217,14 @@ class OpenAIServing:
                                 f"`{self.model_name}`.", param="model", code="model_not_found")
 
     async def run(self, raw: Request, prompts: list, params: SamplingParams, request_id: str,
-                  stream: bool, release: Callable[[], None], make_body, make_response) -> Response:
+                  stream: bool, release: Callable[[], None], make_body, make_response,
+                  cache_salt: str | None = None) -> Response:
         """Start the engine requests; answer with `make_response(outputs)` or, streamed, with
         the events of `make_body(first_output, streams)`. `release` frees the pending slot once
         the response is over, whichever way it ends."""
         arrival = time.monotonic()
-        streams = EngineStreams(self.client, prompts, params, request_id, self.metrics, arrival)
+        streams = EngineStreams(self.client, prompts, params, request_id, self.metrics, arrival,
+                                cache_salt)
         handed_over = False
         try:
             if stream:
@@ -346,7 +348,7 @@ class CompletionServing(OpenAIServing):
                 usage=usage.info()).model_dump())
 
         return await self.run(raw, prompts, params, response_id, req.stream, release, body,
-                              response)
+                              response, req.cache_salt)
 
     async def _prompt_text(self, prompt: str | list[int]) -> str:
         if isinstance(prompt, str):
@@ -421,7 +423,7 @@ class ChatServing(OpenAIServing):
                 usage=usage.info()).model_dump())
 
         return await self.run(raw, [messages], params, response_id, req.stream, release, body,
-                              response)
+                              response, req.cache_salt)
 
 
 def _extend_logprobs(into: CompletionLogprobs, more: CompletionLogprobs) -> None:

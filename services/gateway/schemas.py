@@ -57,6 +57,9 @@ class ExtraSamplingFields(RequestModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # Not sampling, but vLLM's too: requests share prefix-cache blocks only with requests of
+    # the same salt (one per tenant keeps tenants' prompts apart).
+    cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
 
 
 class UsageInfo(ResponseModel):

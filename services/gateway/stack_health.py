@@ -25,6 +25,13 @@ class StackStatus:
     def ready(self) -> bool:
         return not self.missing
 
+    @property
+    def engine_coming_back(self) -> bool:
+        """Only the engine is missing, and it is down, starting or stalled: it may be back
+        soon (a restart, a recovery), unlike an engine whose setup failed for good."""
+        return self.missing == ["engine"] and (
+            self.health is None or self.health.status in ("starting", "stalled"))
+
     def explain(self) -> str:
         if self.health is None:
             return "the engine is not answering"

@@ -33,18 +33,19 @@ class EngineStreams:
     of all prompts come out in the order they arrive. `close()` aborts whatever still runs."""
 
     def __init__(self, client, prompts: list, params: SamplingParams, request_id: str,
-                 metrics: GatewayMetrics, arrival: float):
+                 metrics: GatewayMetrics, arrival: float, cache_salt: str | None = None):
         self.queue: asyncio.Queue = asyncio.Queue()
         self.num_open = len(prompts)
         self.tasks = [
             asyncio.create_task(self._pump(client, i, prompt, params, f"{request_id}-{i}",
-                                           metrics, RequestTimer(arrival)))
+                                           metrics, RequestTimer(arrival), cache_salt))
             for i, prompt in enumerate(prompts)]
 
     async def _pump(self, client, i: int, prompt, params: SamplingParams, engine_request_id: str,
-                    metrics: GatewayMetrics, timer: RequestTimer) -> None:
+                    metrics: GatewayMetrics, timer: RequestTimer,
+                    cache_salt: str | None) -> None:
         try:
-            async for out in client.generate(prompt, params, engine_request_id):
+            async for out in client.generate(prompt, params, engine_request_id, cache_salt):
                 metrics.observe_output(timer, out)
                 self.queue.put_nowait((i, out))
         except EngineRequestError as e:

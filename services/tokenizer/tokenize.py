@@ -62,4 +62,4 @@ class RequestTokenizer:
         if bad_stop:
             raise RequestRejected(f"stop_token_ids: ids out of range [0, {vocab}): {bad_stop[:5]}")
         return EngineRequest(req.request_id, req.gateway_id, text, ids, params,
-                             self.eos_token_ids, req.arrival_time)
+                             self.eos_token_ids, req.arrival_time, req.cache_salt, req.resumed)
