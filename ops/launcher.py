@@ -77,6 +77,7 @@ class ServiceProcess:
     popen: subprocess.Popen | None = None
     restarts: deque = field(default_factory=deque)  # monotonic times of automatic restarts
     healthy: bool = False
+    last_answer: float = 0.0  # monotonic time of its last probe answer (or of its start)
 
     @property
     def name(self) -> str:
@@ -165,12 +166,15 @@ class LocalStack:
                  api_key: str | None = None, env: dict[str, str] | None = None,
                  verbose: bool = False, keep_logs: bool = False,
                  max_restarts_per_minute: int = 3, stop_grace_s: float = 10.0,
-                 tcp_host: str | None = None, curve_keys_dir: str | None = None):
+                 tcp_host: str | None = None, curve_keys_dir: str | None = None,
+                 hang_timeout_s: float = 60.0):
         """`env` is added to every process's environment (after the compose file's).
         `verbose` echoes every process's log lines to stdout with a `[service-i]` prefix.
         `tcp_host`: the engine binds tcp ports of this host rather than ipc files.
         `curve_keys_dir` (default: PAGODA_CURVE_KEYS_DIR): CurveZMQ keys for every socket;
-        a bad directory raises CurveKeysError here, before anything starts."""
+        a bad directory raises CurveKeysError here, before anything starts.
+        `hang_timeout_s`: a process that answers no probe for this long (stopped, or stuck
+        with its control thread) is killed, and so restarted; 0 turns that off."""
         if tokenizers < 1 or detokenizers < 1:
             raise ValueError("a stack needs at least one tokenizer and one detokenizer")
         self.compose_file = compose_file or default_compose_file()
@@ -193,6 +197,7 @@ class LocalStack:
         self.keep_logs = keep_logs
         self.max_restarts_per_minute = max_restarts_per_minute
         self.stop_grace_s = stop_grace_s
+        self.hang_timeout_s = hang_timeout_s
         self.log_dir = os.path.join(self.run_dir, "logs")
         self.members: list[ServiceProcess] = []
         self._echo_stop = threading.Event()
@@ -269,8 +274,9 @@ class LocalStack:
 
     def supervise(self, stop: threading.Event, check_every_s: float = 3.0) -> None:
         """The liveness loop, until `stop` is set: restarts a process that exited (at most
-        `max_restarts_per_minute` per process, then raises LaunchError) and logs probes that
-        start or stop failing."""
+        `max_restarts_per_minute` per process, then raises LaunchError), kills one that has
+        answered no probe for `hang_timeout_s` (it is restarted on the next round), and logs
+        probes that start or stop failing."""
         while not stop.wait(check_every_s):
             for m in self.members:
                 code = m.popen.poll()
@@ -295,6 +301,15 @@ class LocalStack:
                              process=m.name,
                              status=health.status if health else "no answer")
                 m.healthy = healthy
+                now = time.monotonic()
+                if health is not None:
+                    m.last_answer = now
+                elif self.hang_timeout_s and now - m.last_answer > self.hang_timeout_s:
+                    # Alive but silent (SIGSTOP, a deadlock): only a restart helps.
+                    log.error("process answers no probes; killing it", process=m.name,
+                              silent_s=round(now - m.last_answer, 1))
+                    _signal_group(m.popen, signal.SIGKILL)
+                    m.popen.wait()
 
     def kill(self, service: str, index: int = 0, sig: int = signal.SIGKILL) -> subprocess.Popen:
         """Send `sig` to one process (fault tests); a SIGKILL is waited for."""
@@ -397,6 +412,7 @@ class LocalStack:
             m.popen = subprocess.Popen(m.argv, env=m.env, stdin=subprocess.DEVNULL,
                                        stdout=log_file, stderr=subprocess.STDOUT,
                                        start_new_session=True, preexec_fn=_die_with_parent)
+        m.last_answer = time.monotonic()  # a start is not a hang
         log.debug("process started", process=m.name, pid=m.popen.pid)
         return m.popen
 

@@ -25,6 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds every service has to become ready")
     parser.add_argument("--max-restarts", type=int, default=3,
                         help="restarts of one process per minute before the launch gives up")
+    parser.add_argument("--hang-timeout", type=float, default=60.0,
+                        help="seconds a process may answer no health probe (stopped, stuck) "
+                             "before it is killed and restarted; 0: never")
     parser.add_argument("--keep-logs", action="store_true", help="keep <run-dir>/logs at exit")
     parser.add_argument("--curve-keys-dir", default=None,
                         help="encrypt and authenticate every ZeroMQ socket with the CurveZMQ "
@@ -57,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
                            port=args.port, gateway=args.gateway, api_key=args.api_key,
                            verbose=args.verbose, keep_logs=args.keep_logs,
                            max_restarts_per_minute=args.max_restarts,
-                           curve_keys_dir=args.curve_keys_dir)
+                           curve_keys_dir=args.curve_keys_dir, hang_timeout_s=args.hang_timeout)
     except CurveKeysError as e:
         print(f"pagoda: {e}", flush=True)
         return 1

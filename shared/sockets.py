@@ -135,7 +135,8 @@ class ControlServer:
                 reply = encode(ErrorResponse(None, 400, f"bad control frame: {e}"))
             except Exception as e:  # a status callback must never kill the control thread
                 log.exception("health status failed")
-                reply = encode(HealthResponse(self.service, "degraded", {"error": str(e)}))
+                reply = encode(HealthResponse(self.service, "degraded",
+                                              {"pid": os.getpid(), "error": str(e)}))
             try:
                 self.sock.send(reply)
             except zmq.ZMQError:

@@ -41,13 +41,16 @@ from shared.config import EngineArgs
 from shared.logging import configure, get_logger
 from shared.sockets import ControlServer, PushRoutes, bind, make_socket, unlink_ipc
 from shared.stack_config import StackConfig
-from services.engine.executor.zmq_executor import WorkerLost
+from services.engine.executor.zmq_executor import WorkerCallError, WorkerLost
+from services.engine.llm_engine import NoKVCacheError
 
 log = get_logger("engine")
 
 _DETOK_CONTEXT = 5  # prompt tokens the detokenizer decodes before the first output token
 _ENDED_REMEMBERED = 65536  # ended requests whose late copies are recognised and ignored
 _PEER_CHECK_S = 0.25
+_MAX_SETUP_ATTEMPTS = 3  # KV cache set-ups that may fail for the same worker processes
+_SETUP_RETRY_S = 1.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,12 +67,15 @@ def run(args: argparse.Namespace) -> int:
 class EngineService:
     def __init__(self, engine_args: EngineArgs, stack: StackConfig):
         from services.engine.executor.zmq_executor import ZmqExecutor
-        from services.engine.llm_engine import LLMEngine
         self.stack = stack
         self.ctx = zmq.Context()
         self.status = "starting"
         self.engine = None
-        self.peers: dict[str, dict[bytes | str, float]] = {"tokenizer": {}, "detokenizer": {}}
+        self.setup_error: str | None = None
+        self.setup_failures: dict[tuple[str, ...], int] = {}  # by worker processes
+        self.last_step_done = time.monotonic()  # or the engine's last idle moment
+        self.peers: dict[str, dict[bytes | str, float]] = {
+            "tokenizer": {}, "detokenizer": {}, "gateway": {}}
         self.control = ControlServer(self.ctx, stack.control_for("engine"), "engine",
                                      self._health).start()
         self._start_front_door()
@@ -79,10 +85,6 @@ class EngineService:
         self.detok.setsockopt(zmq.ROUTER_MANDATORY, 1)
         bind(self.detok, stack.detokenizer_addr)
         self.routes = PushRoutes(self.ctx)
-        config = engine_args.create_engine_config()
-        self.executor_factory = lambda cfg: ZmqExecutor(cfg, stack, self.ctx)
-        self.engine = LLMEngine(config, self.executor_factory, detokenize=False)
-        self.executor = self.engine.executor
         self.gateway_of: dict[str, str] = {}  # request id -> the client's return address
         self.detok_of: dict[str, bytes] = {}  # request id -> its detokenizer (sticky)
         self.in_flight: deque = deque()  # SchedulerOutputs of submitted, uncollected steps
@@ -99,8 +101,13 @@ class EngineService:
         self.delivered: deque[tuple[float, bytes, object, str]] = deque()
         self.worker_losses = 0
         self.detokenizer_losses = 0
+        self.gateway_losses = 0
         self._next_peer_check = 0.0
         self._stop = False
+        config = engine_args.create_engine_config()
+        self.executor = ZmqExecutor(config, stack, self.ctx)
+        engine = self._build_engine(config)
+        self.engine = engine  # last: the health callback reads the fields above once it is set
         self.status = "ok"
 
     # -- sockets -------------------------------------------------------------------------------
@@ -120,11 +127,16 @@ class EngineService:
 
     def _health(self) -> tuple[str, dict]:
         details = {"tokenizers": self._live("tokenizer"), "detokenizers": self._live("detokenizer")}
+        if self.setup_error is not None:
+            details["error"] = self.setup_error
         if self.engine is not None:
             s = self.engine.get_stats()
             ready = self.executor.ready
             details.update(running=s.num_running, waiting=s.num_waiting, swapped=s.num_swapped,
                            kv_cache_usage=round(s.kv_cache_usage, 4),
+                           device_blocks=self.engine.config.cache_config.num_device_blocks,
+                           free_blocks=self.engine.scheduler.block_manager
+                           .get_num_free_device_blocks(),
                            prefix_cache_hit_rate=round(s.prefix_cache_hit_rate, 4),
                            steps=s.num_steps, prompt_tokens=s.total_prompt_tokens,
                            generation_tokens=s.total_generation_tokens,
@@ -132,8 +144,20 @@ class EngineService:
                            workers=len(self.executor.workers) if ready else 0,
                            recovering=not ready, worker_losses=self.worker_losses,
                            detokenizer_losses=self.detokenizer_losses,
+                           gateways=self._live("gateway"), gateway_losses=self.gateway_losses,
                            last_step_bytes=self.step_bytes[-1] if self.step_bytes else 0)
+            stalled_s = self._stalled_s()
+            if stalled_s > self.stack.step_timeout_s:
+                # Alive is not the same as making progress: say so to every probe.
+                details["stalled_s"] = round(stalled_s, 1)
+                return "stalled", details
         return self.status, details
+
+    def _stalled_s(self) -> float:
+        """How long requests have waited without any step completing (0 when none waits)."""
+        if not self.engine.has_unfinished_requests():
+            return 0.0
+        return time.monotonic() - self.last_step_done
 
     def _live(self, service: str) -> int:
         now = time.monotonic()
@@ -165,6 +189,8 @@ class EngineService:
             self._reinitialize_workers()
             if not self.executor.ready:
                 return 200
+        if not self.in_flight and not self.engine.has_unfinished_requests():
+            self.last_step_done = time.monotonic()  # idle is not stalled
         # 1) Schedule and submit the next step while the workers run the current one.
         submitted = False
         if len(self.in_flight) < 2:
@@ -182,6 +208,7 @@ class EngineService:
             if result is None:
                 return 250  # the poll returns as soon as it (or anything else) arrives
             sched = self.in_flight.popleft()
+            self.last_step_done = time.monotonic()
             groups = self.engine.process_model_outputs(sched, result)
             self._send_deltas(groups, result.step_id)
             return 0
@@ -229,18 +256,9 @@ class EngineService:
         if isinstance(msg, EngineRequest):
             self._add_request(msg)
         elif isinstance(msg, (AbortRequest, FinishRequest)):
-            aborted = self.engine.abort_request(msg.request_ids)
-            if isinstance(msg, AbortRequest):
-                # Its detokenizer holds the request's state until it sees the request end.
-                self._send_deltas([g for g in aborted if g.request_id in self.detok_of], -1)
-            for group in aborted:
-                self._ended(group)
-                self.gateway_of.pop(group.request_id, None)
-                self.detok_of.pop(group.request_id, None)
-                self.undelivered.pop(group.request_id, None)
-            if aborted:
-                log.info("requests ended early", reason=msg.reason,
-                         request_ids=[g.request_id for g in aborted])
+            # An abort's detokenizer holds the request's state until it sees the request end.
+            self._end_requests(msg.request_ids, msg.reason,
+                               tell_detokenizer=isinstance(msg, AbortRequest))
         elif isinstance(msg, Register):
             key = identity if msg.service == "detokenizer" else msg.instance_id
             if msg.service in self.peers and key is not None:
@@ -249,6 +267,21 @@ class EngineService:
                 self.peers[msg.service][key] = time.monotonic()
         else:
             log.warning("unexpected message", type=type(msg).__name__)
+
+    def _end_requests(self, request_ids: list[str], reason: str,
+                      tell_detokenizer: bool) -> list:
+        aborted = self.engine.abort_request(request_ids)
+        if tell_detokenizer:
+            self._send_deltas([g for g in aborted if g.request_id in self.detok_of], -1)
+        for group in aborted:
+            self._ended(group)
+            self.gateway_of.pop(group.request_id, None)
+            self.detok_of.pop(group.request_id, None)
+            self.undelivered.pop(group.request_id, None)
+        if aborted:
+            log.info("requests ended early", reason=reason,
+                     request_ids=[g.request_id for g in aborted])
+        return aborted
 
     def _add_request(self, req: EngineRequest) -> None:
         rlog = log.bind(request_id=req.request_id)
@@ -260,10 +293,19 @@ class EngineService:
             self.acks.setdefault(req.gateway_id, []).append(req.request_id)  # a resent copy
             return
         try:
-            self.engine.add_request(req.request_id, req.prompt, req.sampling_params,
-                                    prompt_token_ids=req.prompt_token_ids,
-                                    arrival_time=req.arrival_time,
-                                    eos_token_ids=req.eos_token_ids)
+            group = self.engine.add_request(req.request_id, req.prompt, req.sampling_params,
+                                            prompt_token_ids=req.prompt_token_ids,
+                                            arrival_time=req.arrival_time,
+                                            eos_token_ids=req.eos_token_ids,
+                                            cache_salt=req.cache_salt)
+            if req.resumed:
+                try:
+                    self.engine.resume_outputs(group, req.resumed)
+                except ValueError:
+                    self.engine.abort_request(req.request_id)
+                    raise
+                rlog.info("request resumed", resumed_tokens=sum(
+                    len(r.token_ids) for r in req.resumed))
         except ValueError as e:
             rlog.warning("request refused", error=str(e))
             self.routes.send(req.gateway_id, encode(ErrorResponse(req.request_id, 400, str(e))))
@@ -295,6 +337,22 @@ class EngineService:
             for detok in stale:
                 if detok in busy:
                     self._detokenizer_lost(detok, f"no heartbeat for {timeout:.0f} s")
+        for gateway in [g for g, seen in self.peers["gateway"].items() if now - seen > timeout]:
+            self._gateway_lost(gateway, f"no heartbeat for {timeout:.0f} s")
+        if self.executor.ready:
+            self.executor.check_progress(self.stack.step_timeout_s)
+
+    def _gateway_lost(self, gateway: str, reason: str) -> None:
+        """A client process died: nobody reads its requests' output any more. They are
+        aborted, which frees their blocks. (A client that never sent a heartbeat is never
+        taken for dead.)"""
+        del self.peers["gateway"][gateway]
+        self.gateway_losses += 1
+        request_ids = [r for r, g in self.gateway_of.items() if g == gateway]
+        log.warning("gateway lost; aborting its requests", gateway=gateway, reason=reason,
+                    requests=len(request_ids))
+        if request_ids:
+            self._end_requests(request_ids, "gateway lost", tell_detokenizer=True)
 
     def _worker_lost(self, error: WorkerLost) -> None:
         ranks = self.executor.drop_lost_workers()
@@ -304,6 +362,46 @@ class EngineService:
         log.error("worker lost; its requests will be recomputed on its replacement",
                   error=str(error), ranks=ranks, requests=num_requests)
 
+    def _build_engine(self, config):
+        """The LLMEngine, once the workers' KV cache is set up. A setup that fails is tried
+        again, `_MAX_SETUP_ATTEMPTS` times for the same worker processes; then they are
+        ignored (health says why) until new ones register."""
+        from services.engine.llm_engine import LLMEngine
+        while True:
+            self.executor.wait_for_workers(float("inf"))
+            try:
+                engine = LLMEngine(config, lambda _: self.executor, detokenize=False)
+            except WorkerLost as e:
+                log.error("a worker was lost while the KV cache was set up", error=str(e))
+                self.executor.drop_lost_workers()
+                continue
+            except (WorkerCallError, NoKVCacheError) as e:
+                self._setup_failed(e)
+                continue
+            self._setup_ok()
+            return engine
+
+    def _setup_failed(self, error: Exception) -> None:
+        instances = self.executor.worker_instances()
+        attempt = self.setup_failures[instances] = self.setup_failures.get(instances, 0) + 1
+        log.error("worker setup failed", error=str(error), attempt=attempt,
+                  max_attempts=_MAX_SETUP_ATTEMPTS, workers=list(instances))
+        if attempt < _MAX_SETUP_ATTEMPTS:
+            time.sleep(_SETUP_RETRY_S)
+            return
+        self.executor.refuse_workers()
+        self.status = "failed"
+        self.setup_error = (f"{error} (failed {attempt} times; these worker processes are "
+                            f"ignored until new ones register)")
+        log.error("giving up on these worker processes; waiting for new ones",
+                  workers=list(instances), error=str(error))
+
+    def _setup_ok(self) -> None:
+        self.setup_error = None
+        self.setup_failures.clear()
+        if self.status == "failed":
+            self.status = "ok"
+
     def _reinitialize_workers(self) -> None:
         """Once every rank has a worker again: size and initialize the new KV cache."""
         if not self.executor.has_all_workers():
@@ -311,13 +409,14 @@ class EngineService:
         try:
             num_device_blocks, num_cpu_blocks = self.executor.determine_num_available_blocks()
             if num_device_blocks <= 0:
-                raise RuntimeError("the new worker has no memory for a KV cache")
+                raise NoKVCacheError("the new worker has no memory for a KV cache")
             self.executor.initialize_cache(num_device_blocks, num_cpu_blocks)
-        except WorkerLost:
-            raise
-        except RuntimeError as e:  # a worker call failed: wait for another registration
-            log.error("a new worker could not be set up", error=str(e))
-            raise WorkerLost(str(e)) from None
+        except (WorkerCallError, NoKVCacheError) as e:
+            self._setup_failed(e)
+            if self.executor.has_all_workers():
+                raise WorkerLost(str(e)) from None  # dropped, to register and try again
+            return  # refused: a new worker process must come
+        self._setup_ok()
         self.engine.resize_cache(num_device_blocks, num_cpu_blocks)
         log.info("workers back; resuming", device_blocks=num_device_blocks,
                  waiting=len(self.engine.scheduler.waiting))

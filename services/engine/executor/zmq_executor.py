@@ -30,8 +30,13 @@ log = get_logger("executor")
 
 
 class WorkerLost(RuntimeError):
-    """A worker stopped answering (no output and no heartbeat within the liveness timeout), or
-    its connection is gone. The engine catches it and waits for a worker to take the rank."""
+    """A worker stopped answering (no output and no heartbeat within the liveness timeout, or
+    a step that has not come back within the step timeout), or its connection is gone. The
+    engine catches it and waits for a worker to take the rank."""
+
+
+class WorkerCallError(RuntimeError):
+    """A worker answered a setup call with an error (e.g. out of memory for the KV cache)."""
 
 
 class ZmqExecutor(Executor):
@@ -50,8 +55,13 @@ class ZmqExecutor(Executor):
         # when that worker is declared lost (a restarted worker often registers before the
         # engine has noticed that its predecessor died).
         self.candidates: dict[int, bytes] = {}
+        # Worker processes whose setup failed too often: their registrations are ignored, and
+        # a rank waits for a new process.
+        self.refused_instances: set[str] = set()
         self.call_ids = itertools.count()
         self.in_flight: deque[int] = deque()  # step ids submitted, not collected
+        # When the workers last moved on: the oldest step in flight was sent, or an output came.
+        self.last_progress = time.monotonic()
         self.outputs: deque[SamplerOutput] = deque()  # arrived, in step order, not collected
         self.last_request_bytes = 0
         # Steps go out only once every rank has a worker whose KV cache is initialized.
@@ -108,6 +118,8 @@ class ZmqExecutor(Executor):
         self.last_seen[msg.instance_id] = time.monotonic()
         if msg.heartbeat:
             return
+        if msg.instance_id in self.refused_instances:
+            return
         current = self.workers.get(msg.rank)
         if current == identity:
             return  # a worker repeats its registration while it has nothing to do
@@ -129,12 +141,35 @@ class ZmqExecutor(Executor):
         seen = self.last_seen.get(self.instance_of.get(identity), 0.0)
         return time.monotonic() - seen < self.stack.liveness_timeout_s
 
+    def refuse_workers(self) -> list[str]:
+        """Forget the registered workers and ignore those processes from now on (their setup
+        keeps failing); returns their instance ids."""
+        instances = [self.instance_of.get(identity, "?") for identity in self.workers.values()]
+        self.refused_instances.update(instances)
+        self.workers.clear()
+        self.candidates.clear()
+        self.cache_ready = False
+        return instances
+
+    def worker_instances(self) -> tuple[str, ...]:
+        return tuple(self.instance_of.get(self.workers[r], "?") for r in sorted(self.workers))
+
     def check_liveness(self) -> None:
         """Raises WorkerLost when a registered worker has been silent for the liveness timeout."""
         for rank, identity in self.workers.items():
             if not self._alive(identity):
                 raise WorkerLost(f"worker rank {rank} ({self.instance_of.get(identity)}) sent "
                                  f"no heartbeat for {self.stack.liveness_timeout_s:.0f} s")
+
+    def check_progress(self, step_timeout_s: float) -> None:
+        """Raises WorkerLost when a step has been in flight for `step_timeout_s` without an
+        output coming back: a worker that still heartbeats but is stuck (liveness is not
+        progress)."""
+        if len(self.outputs) < len(self.in_flight):
+            stuck_s = time.monotonic() - self.last_progress
+            if stuck_s > step_timeout_s:
+                raise WorkerLost(f"step {self.in_flight[len(self.outputs)]} has not come back "
+                                 f"for {stuck_s:.0f} s (step timeout {step_timeout_s:g} s)")
 
     def drop_lost_workers(self) -> list[int]:
         """After a WorkerLost: forget the workers that are gone (their ranks wait for a new
@@ -187,7 +222,7 @@ class ZmqExecutor(Executor):
                 if reply.call_id == call_id:
                     break  # else the answer to a call of an engine that is gone
             if reply.error:
-                raise RuntimeError(f"worker rank {rank}: {method} failed: {reply.error}")
+                raise WorkerCallError(f"worker rank {rank}: {method} failed: {reply.error}")
             results.append(reply.result)
         return results[0]
 
@@ -204,6 +239,8 @@ class ZmqExecutor(Executor):
         frame = encode(request)
         self.last_request_bytes = len(frame)
         self._send_all(frame)
+        if not self.in_flight:
+            self.last_progress = time.monotonic()
         self.in_flight.append(request.step_id)
 
     def receive(self) -> None:
@@ -222,6 +259,7 @@ class ZmqExecutor(Executor):
                 log.warning("dropped the output of a step not in flight", step_id=out.step_id)
                 continue
             self.outputs.append(out)
+            self.last_progress = time.monotonic()
 
     def take_output(self) -> SamplerOutput | None:
         """The oldest step's output if it has arrived (call `receive` first), else None."""
