@@ -1,4 +1,6 @@
-"""Helpers of the fault tests: a supervised stack, streams that record what they got, waits."""
+"""Helpers of the fault tests: a supervised stack, streams that record what they got, waits, and
+the requests every fault test streams (`PAGODA_FAULT_REQUESTS` of them, default 32;
+`PAGODA_FAULT_KEEP_LOGS=1` keeps the processes' logs)."""
 import asyncio
 import os
 import signal
@@ -11,6 +13,20 @@ from ops.launcher import LocalStack
 from services.gateway.client import AsyncEngineClient, EngineRequestError
 from shared.sampling_params import SamplingParams
 from shared.sockets import probe_health
+
+NUM_REQUESTS = int(os.environ.get("PAGODA_FAULT_REQUESTS", "32"))
+KEEP_LOGS = bool(os.environ.get("PAGODA_FAULT_KEEP_LOGS"))
+MAX_TOKENS = 24
+LIVENESS_S = 4.0  # heartbeat timeout of the stack: how soon a dead peer is noticed
+STEP_TIMEOUT_S = 6.0  # a step in flight this long with no output: its worker is stuck
+HANG_TIMEOUT_S = 10.0  # a process answering no probe this long is killed by the launcher
+ACK_TIMEOUT_S = 2.0
+ENGINE_ARGS = {"kv_cache_space_gib": 0.25, "max_model_len": 2048}
+PARAMS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+SUBJECTS = ["the sea", "a mountain", "the moon", "a library", "coffee", "winter", "a robot",
+            "the city at night"]
+PROMPTS = [f"Request {i}: write one sentence about {SUBJECTS[i % len(SUBJECTS)]}."
+           for i in range(NUM_REQUESTS)]
 
 
 def free_port() -> int:
@@ -148,3 +164,58 @@ async def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.0
     while not predicate():
         assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
         await asyncio.sleep(poll_s)
+
+
+def new_client(stack: SupervisedStack) -> AsyncEngineClient:
+    return AsyncEngineClient(stack.stack.stack_config, output_timeout_s=90,
+                             ack_timeout_s=ACK_TIMEOUT_S, max_resubmits=5,
+                             engine_timeout_s=LIVENESS_S, probe_interval_s=0.5)
+
+
+async def run_requests(client, tag: str, fault=None, before=None) -> list[StreamResult]:
+    """Stream every prompt at once; `fault(results)` runs beside them (it kills something),
+    `before()` before they are sent."""
+    if before is not None:
+        before()
+    results = [StreamResult(f"{tag}-{i}") for i in range(NUM_REQUESTS)]
+    streams = [stream_request(client, p, PARAMS, r.request_id, r)
+               for p, r in zip(PROMPTS, results)]
+    if fault is not None:
+        streams.append(fault(results))
+    await asyncio.wait_for(asyncio.gather(*streams), timeout=240)
+    return results
+
+
+def assert_same_as_baseline(results: list[StreamResult], baseline: list[StreamResult]) -> None:
+    for got, want in zip(results, baseline):
+        assert got.error is None, (got.request_id, got.error)
+        assert got.token_ids == want.token_ids, got.request_id
+        assert got.text == want.text, got.request_id
+        assert got.finish_reason == want.finish_reason, got.request_id
+
+
+def generation_tokens(stack) -> int:
+    return int(stack.engine_details()["generation_tokens"])
+
+
+def faulted_run(stack, tag: str, fault, before=None
+                ) -> tuple[list[StreamResult], int, AsyncEngineClient]:
+    """Run the requests beside `fault`; returns the results, the tokens the engine generated
+    meanwhile, and the (closed) client."""
+    stack.wait_healthy()
+    tokens_before = generation_tokens(stack)
+
+    async def main():
+        client = new_client(stack)
+        try:
+            return await run_requests(client, tag, fault, before), client
+        finally:
+            client.close()
+    results, client = asyncio.run(main())
+    stack.wait_healthy()
+    return results, generation_tokens(stack) - tokens_before, client
+
+
+def mid_stream(results: list[StreamResult], min_tokens: int = 4):
+    """True once every request has some output and none has finished."""
+    return lambda: all(len(r.token_ids) >= min_tokens for r in results)

@@ -1,31 +1,24 @@
-"""Process faults on the real stack: every service is killed with SIGKILL while requests stream,
-and comes back by the launcher's supervision (`LocalStack.supervise`, in a thread).
+"""Process faults on the real stack: a worker, tokenizer or detokenizer is killed with SIGKILL
+while requests stream, and comes back by the launcher's supervision (`LocalStack.supervise`, in
+a thread). Engine and gateway deaths and stuck processes: `test_restarts.py`.
 
-- worker, tokenizer, detokenizer death: every request completes, its text and tokens equal a
-  fault-free pass of the same greedy requests through the same stack, and the engine generated
-  exactly as many tokens as the clients received (nothing ran twice, nothing was emitted twice);
-- engine death: the requests in flight end with 503 within the client's engine timeout, new ones
-  are refused with 503, and once the engine is back the same client and gateway serve again;
+- every request completes, its text and tokens equal a fault-free pass of the same greedy
+  requests through the same stack, and the engine generated exactly as many tokens as the
+  clients received (nothing ran twice, nothing was emitted twice);
 - fuzzing: bad frames to every socket and bad bodies to every HTTP route kill nothing and get
   no 500.
-
-`PAGODA_FAULT_REQUESTS` (default 32) sets how many requests stream through each fault;
-`PAGODA_FAULT_KEEP_LOGS=1` keeps the processes' logs (the run directory is printed).
 """
 import asyncio
 import json
 import os
 import random
 import signal
-import tempfile
 import time
 
 import httpx
 import msgpack
-import pytest
 import zmq
 
-from ops.launcher import LocalStack
 from proto.codec import MAX_FRAME_BYTES, decode, encode
 from proto.control import Register, WorkerCall, WorkerReply
 from proto.messages import ExecuteModelRequest, SamplerOutput
@@ -33,109 +26,10 @@ from proto.requests import (AbortRequest, EngineRequest, ErrorResponse, FinishRe
                             GenerateRequest, HealthRequest, HealthResponse, RequestAccepted,
                             RequestTextDelta, RequestTokenDelta, SequenceTextDelta,
                             SequenceTokenDelta, TextDeltas, TokenDeltas, Usage)
-from services.gateway.client import AsyncEngineClient
 from shared.model_source import DEFAULT_MODEL_NAME
 from shared.sampling_params import SamplingParams
-from tests.faults.stack_faults import (StreamResult, SupervisedStack, free_port, stream_request,
-                                       wait_until)
-
-NUM_REQUESTS = int(os.environ.get("PAGODA_FAULT_REQUESTS", "32"))
-KEEP_LOGS = bool(os.environ.get("PAGODA_FAULT_KEEP_LOGS"))
-MAX_TOKENS = 24
-LIVENESS_S = 4.0  # heartbeat timeout of the stack: how soon a dead peer is noticed
-ACK_TIMEOUT_S = 2.0
-ENGINE_ARGS = {"kv_cache_space_gib": 0.25, "max_model_len": 2048}
-PARAMS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-SUBJECTS = ["the sea", "a mountain", "the moon", "a library", "coffee", "winter", "a robot",
-            "the city at night"]
-PROMPTS = [f"Request {i}: write one sentence about {SUBJECTS[i % len(SUBJECTS)]}."
-           for i in range(NUM_REQUESTS)]
-
-
-@pytest.fixture(scope="module")
-def stack():
-    run_dir = tempfile.mkdtemp(prefix="pflt-", dir="/tmp")  # ipc paths have a length limit
-    supervised = SupervisedStack(LocalStack(
-        engine_args=ENGINE_ARGS, tokenizers=2, detokenizers=2, run_dir=run_dir,
-        port=free_port(), env={"PAGODA_LIVENESS_TIMEOUT_S": str(LIVENESS_S)},
-        keep_logs=KEEP_LOGS))
-    supervised.start()
-    if KEEP_LOGS:
-        print(f"\nfault stack logs in {run_dir}/logs")
-    yield supervised
-    supervised.stop()
-
-
-def new_client(stack: SupervisedStack) -> AsyncEngineClient:
-    return AsyncEngineClient(stack.stack.stack_config, output_timeout_s=90,
-                             ack_timeout_s=ACK_TIMEOUT_S, max_resubmits=5,
-                             engine_timeout_s=LIVENESS_S, probe_interval_s=0.5)
-
-
-async def run_requests(client, tag: str, fault=None, before=None) -> list[StreamResult]:
-    """Stream every prompt at once; `fault(results)` runs beside them (it kills something),
-    `before()` before they are sent."""
-    if before is not None:
-        before()
-    results = [StreamResult(f"{tag}-{i}") for i in range(NUM_REQUESTS)]
-    streams = [stream_request(client, p, PARAMS, r.request_id, r)
-               for p, r in zip(PROMPTS, results)]
-    if fault is not None:
-        streams.append(fault(results))
-    await asyncio.wait_for(asyncio.gather(*streams), timeout=240)
-    return results
-
-
-@pytest.fixture(scope="module")
-def baseline(stack) -> list[StreamResult]:
-    """The same requests through the same stack, with no fault."""
-    async def main():
-        client = new_client(stack)
-        try:
-            return await run_requests(client, "baseline")
-        finally:
-            client.close()
-    results = asyncio.run(main())
-    for r in results:
-        assert r.error is None and r.finish_reason == "length", r
-        assert len(r.token_ids) == MAX_TOKENS and r.text
-    return results
-
-
-def assert_same_as_baseline(results: list[StreamResult], baseline: list[StreamResult]) -> None:
-    for got, want in zip(results, baseline):
-        assert got.error is None, (got.request_id, got.error)
-        assert got.token_ids == want.token_ids, got.request_id
-        assert got.text == want.text, got.request_id
-        assert got.finish_reason == want.finish_reason, got.request_id
-
-
-def generation_tokens(stack) -> int:
-    return int(stack.engine_details()["generation_tokens"])
-
-
-def faulted_run(stack, tag: str, fault, before=None
-                ) -> tuple[list[StreamResult], int, AsyncEngineClient]:
-    """Run the requests beside `fault`; returns the results, the tokens the engine generated
-    meanwhile, and the (closed) client."""
-    stack.wait_healthy()
-    tokens_before = generation_tokens(stack)
-
-    async def main():
-        client = new_client(stack)
-        try:
-            return await run_requests(client, tag, fault, before), client
-        finally:
-            client.close()
-    results, client = asyncio.run(main())
-    stack.wait_healthy()
-    return results, generation_tokens(stack) - tokens_before, client
-
-
-def mid_stream(results: list[StreamResult], min_tokens: int = 4):
-    """True once every request has some output and none has finished."""
-    return lambda: all(len(r.token_ids) >= min_tokens for r in results)
-
+from tests.faults.stack_faults import (MAX_TOKENS, NUM_REQUESTS, assert_same_as_baseline,
+                                       faulted_run, mid_stream, wait_until)
 
 # -- fuzzing ---------------------------------------------------------------------------------------
 
@@ -362,78 +256,3 @@ def test_a_killed_worker_is_replaced_and_every_request_completes_as_without_the_
     print(f"\nworker killed: all {NUM_REQUESTS} requests done "
           f"{max(r.ended_at for r in results) - timing['killed']:.1f} s after the kill, "
           f"identical to the fault-free pass")
-
-
-def test_a_killed_engine_fails_requests_in_flight_with_503_and_service_resumes(stack):
-    stack.wait_healthy()
-    gateway = stack.stack.gateway_url
-    body = {"model": DEFAULT_MODEL_NAME, "prompt": "Count slowly from one to fifty:",
-            "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
-    timing = {}
-
-    async def http_stream(http: httpx.AsyncClient) -> dict:
-        events = []
-        async with http.stream("POST", "/v1/completions", json=body) as response:
-            assert response.status_code == 200
-            async for line in response.aiter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    events.append(json.loads(line[6:]))
-        return {"events": events, "ended": time.monotonic()}
-
-    async def main():
-        client = new_client(stack)
-        http = httpx.AsyncClient(base_url=gateway, timeout=120)
-        try:
-            long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
-            results = [StreamResult(f"eng-{i}") for i in range(NUM_REQUESTS)]
-            streams = [asyncio.ensure_future(stream_request(client, p, long, r.request_id, r))
-                       for p, r in zip(PROMPTS, results)]
-            http_streams = [asyncio.ensure_future(http_stream(http)) for _ in range(2)]
-            await wait_until(mid_stream(results, 2), 120, "every request to stream")
-            # The engine stays down until supervision resumes, so that "down" can be observed.
-            await asyncio.to_thread(stack.pause)
-            timing["killed"] = time.monotonic()
-            stack.kill("engine")
-            await asyncio.wait_for(asyncio.gather(*streams), 60)
-            http_results = await asyncio.wait_for(asyncio.gather(*http_streams), 60)
-            refused = StreamResult("eng-refused")
-            asked = time.monotonic()
-            await stream_request(client, "Hello", PARAMS, refused.request_id, refused)
-            timing["refused_in"] = refused.ended_at - asked
-            down = await http.post("/v1/completions", json={**body, "stream": False})
-            stack.resume()  # the launcher restarts the engine; the rest of the stack stays
-            await asyncio.to_thread(stack.wait_healthy, 120)
-            await wait_until(lambda: client.engine_ok, 30, "the client to see the engine")
-            after = StreamResult("eng-after")
-            await stream_request(client, PROMPTS[0], PARAMS, after.request_id, after)
-            for _ in range(60):  # the gateway's view of the stack is refreshed once a second
-                up = await http.post("/v1/completions",
-                                     json={**body, "stream": False, "max_tokens": 4})
-                if up.status_code != 503:
-                    break
-                await asyncio.sleep(0.5)
-            return results, http_results, refused, down, after, up
-        finally:
-            stack.resume()
-            await http.aclose()
-            client.close()
-
-    results, http_results, refused, down, after, up = asyncio.run(main())
-    bound = LIVENESS_S + 3.0  # the engine timeout, a probe interval and a probe
-    for r in results:
-        assert r.error is not None and r.error.code == 503, (r.request_id, r.error, r.finish_reason)
-        assert r.ended_at - timing["killed"] < bound, (r.request_id, r.ended_at - timing["killed"])
-    for h in http_results:
-        last = h["events"][-1]
-        assert "error" in last and last["error"]["type"] == "server_error", last
-        assert h["ended"] - timing["killed"] < bound
-    assert refused.error is not None and refused.error.code == 503, refused
-    assert timing["refused_in"] < 1.0, "a request to a dead engine was not refused at once"
-    assert down.status_code == 503 and "error" in down.json(), down.text
-    assert after.error is None and after.finish_reason == "length", after
-    assert len(after.token_ids) == MAX_TOKENS
-    assert up.status_code == 200 and up.json()["choices"][0]["text"], up.text
-    print(f"\nengine killed: {len(results)} client and {len(http_results)} HTTP streams ended "
-          f"with 503 within {max(r.ended_at for r in results) - timing['killed']:.1f} s; new "
-          f"requests refused with 503; service resumed through the same client and gateway")
-    stack.wait_healthy()
