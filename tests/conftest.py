@@ -11,14 +11,14 @@ torch.set_num_threads(1)
 
 
 class Reference:
-    """The default model in transformers, fp32: greedy `generate` (memoised, since several
-    tests compare against the same prompts) and raw log-softmax over a token sequence."""
+    """The default model in transformers, fp32 unless asked: greedy `generate` (memoised, since
+    several tests compare against the same prompts) and raw log-softmax over a token sequence."""
 
-    def __init__(self):
+    def __init__(self, dtype: torch.dtype = torch.float32):
         from transformers import AutoModelForCausalLM
         source = resolve_model(None)
         self.model = AutoModelForCausalLM.from_pretrained(
-            source.folder, gguf_file=source.gguf_file, dtype=torch.float32).eval()
+            source.folder, gguf_file=source.gguf_file, dtype=dtype).eval()
         self._greedy: dict[tuple, list[int]] = {}
 
     @torch.no_grad()
@@ -41,6 +41,12 @@ class Reference:
 @pytest.fixture(scope="session")
 def reference() -> Reference:
     return Reference()
+
+
+@pytest.fixture(scope="session")
+def reference_bf16() -> Reference:
+    """The same model in bfloat16 (the GGUF dequantized to fp32, then rounded to bf16)."""
+    return Reference(torch.bfloat16)
 
 
 @pytest.fixture(scope="session")
