@@ -174,7 +174,8 @@ class LocalStack:
         `curve_keys_dir` (default: PAGODA_CURVE_KEYS_DIR): CurveZMQ keys for every socket;
         a bad directory raises CurveKeysError here, before anything starts.
         `hang_timeout_s`: a process that answers no probe for this long (stopped, or stuck
-        with its control thread) is killed, and so restarted; 0 turns that off."""
+        with its control thread), or answers "stuck" for this long (a worker inside one step
+        for longer than the step timeout), is killed, and so restarted; 0 turns that off."""
         if tokenizers < 1 or detokenizers < 1:
             raise ValueError("a stack needs at least one tokenizer and one detokenizer")
         self.compose_file = compose_file or default_compose_file()
@@ -275,7 +276,7 @@ class LocalStack:
     def supervise(self, stop: threading.Event, check_every_s: float = 3.0) -> None:
         """The liveness loop, until `stop` is set: restarts a process that exited (at most
         `max_restarts_per_minute` per process, then raises LaunchError), kills one that has
-        answered no probe for `hang_timeout_s` (it is restarted on the next round), and logs
+        hung for `hang_timeout_s` (it is restarted on the next round), and logs
         probes that start or stop failing."""
         while not stop.wait(check_every_s):
             for m in self.members:
@@ -302,12 +303,13 @@ class LocalStack:
                              status=health.status if health else "no answer")
                 m.healthy = healthy
                 now = time.monotonic()
-                if health is not None:
+                if health is not None and health.status != "stuck":
                     m.last_answer = now
                 elif self.hang_timeout_s and now - m.last_answer > self.hang_timeout_s:
-                    # Alive but silent (SIGSTOP, a deadlock): only a restart helps.
-                    log.error("process answers no probes; killing it", process=m.name,
-                              silent_s=round(now - m.last_answer, 1))
+                    # Alive but silent (SIGSTOP, a deadlock) or stuck: only a restart helps.
+                    log.error("process hung; killing it", process=m.name,
+                              status=health.status if health else "no answer",
+                              since_s=round(now - m.last_answer, 1))
                     _signal_group(m.popen, signal.SIGKILL)
                     m.popen.wait()
 

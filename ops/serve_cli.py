@@ -26,8 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-restarts", type=int, default=3,
                         help="restarts of one process per minute before the launch gives up")
     parser.add_argument("--hang-timeout", type=float, default=60.0,
-                        help="seconds a process may answer no health probe (stopped, stuck) "
-                             "before it is killed and restarted; 0: never")
+                        help="seconds a process may answer no health probe (stopped, hung), or "
+                             "report itself stuck, before it is killed and restarted; 0: never")
     parser.add_argument("--keep-logs", action="store_true", help="keep <run-dir>/logs at exit")
     parser.add_argument("--curve-keys-dir", default=None,
                         help="encrypt and authenticate every ZeroMQ socket with the CurveZMQ "

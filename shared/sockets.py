@@ -4,8 +4,10 @@
 are bound and connected through them only, so none is left in the clear.
 """
 import os
+import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable
 
 import zmq
@@ -16,6 +18,15 @@ from shared.curve import CurveKeys, process_keys, secure_client, secure_server
 from shared.logging import get_logger
 
 log = get_logger("sockets")
+
+# Tells one start of a process from the next: a restarted container keeps its hostname and,
+# in a fresh pid namespace, often its pid too.
+BOOT_ID = uuid.uuid4().hex
+
+
+def process_instance_id() -> str:
+    """This process's name towards its peers: host, pid and boot id."""
+    return f"{socket.gethostname()}-{os.getpid()}-{BOOT_ID[:8]}"
 
 
 def ipc_path(addr: str) -> str | None:
@@ -128,7 +139,7 @@ class ControlServer:
                 decode(frame, HealthRequest)
                 status, details = self.status_fn()
                 details = {"uptime_s": round(time.time() - self.started, 1), "pid": os.getpid(),
-                           **details}
+                           "boot_id": BOOT_ID, **details}
                 reply = encode(HealthResponse(self.service, status, details))
             except CodecError as e:
                 log.warning("bad control frame", error=str(e))
@@ -136,7 +147,8 @@ class ControlServer:
             except Exception as e:  # a status callback must never kill the control thread
                 log.exception("health status failed")
                 reply = encode(HealthResponse(self.service, "degraded",
-                                              {"pid": os.getpid(), "error": str(e)}))
+                                              {"pid": os.getpid(), "boot_id": BOOT_ID,
+                                               "error": str(e)}))
             try:
                 self.sock.send(reply)
             except zmq.ZMQError:

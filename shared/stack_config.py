@@ -36,8 +36,10 @@ class StackConfig:
     # Seconds without an answer after which a peer counts as gone.
     liveness_timeout_s: float = 10.0
     # Seconds a step may stay in flight with no output before its worker counts as stuck
-    # (it may still heartbeat) and the engine recovers as from a worker death.
-    step_timeout_s: float = 120.0
+    # (it may still heartbeat) and the engine recovers as from a worker death. Longer than the
+    # slowest step, shorter than the gateway's --request-timeout (60 s), so that requests
+    # wait for the recovery instead of timing out first.
+    step_timeout_s: float = 30.0
     # A CurveZMQ key directory (`pagoda keys DIR`): every socket encrypted, and only holders
     # of an authorized key get in. "" (default): no CURVE, for one host or a private network.
     curve_keys_dir: str = ""

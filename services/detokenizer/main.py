@@ -3,9 +3,7 @@
 Start M of them with the same addresses; the engine sends all of a request's deltas to one.
 """
 import argparse
-import os
 import signal
-import socket
 import time
 
 import zmq
@@ -15,7 +13,8 @@ from proto.control import Register
 from proto.requests import FinishRequest, RequestTextDelta, TextDeltas, TokenDeltas
 from shared.config import EngineArgs
 from shared.logging import configure, get_logger
-from shared.sockets import ControlServer, PushRoutes, connect, make_socket
+from shared.sockets import (ControlServer, PushRoutes, connect, make_socket,
+                            process_instance_id)
 from shared.stack_config import StackConfig
 from shared.tokenizer import get_tokenizer
 from services.detokenizer.detokenize import Detokenizer
@@ -45,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
 class DetokenizerService:
     def __init__(self, tokenizer_path: str | None, stack: StackConfig, instance: str = "0"):
         self.stack = stack
-        self.instance_id = f"{socket.gethostname()}-{os.getpid()}"
+        self.instance_id = process_instance_id()
         self.ctx = zmq.Context()
         self.status = "starting"
         self.steps = 0

@@ -142,14 +142,18 @@ class LLMEngine:
                     params.max_tokens is not None and len(r.token_ids) >= params.max_tokens)):
                 raise ValueError(f"resumed output: sample {r.index} has {len(r.token_ids)} "
                                  f"tokens and is not finished, but has no room to go on")
+        if all(j in by_index and by_index[j].finished for j in range(params.n)):
+            raise ValueError("resumed output: every sample is finished; nothing is left to run")
         # The samples of a group run in lockstep. A client holds them so (a step's output of a
         # request is one message); should one be ahead, it goes back to the others, and the
         # client drops its recomputed tokens by their offset.
         num_tokens = min((len(by_index[j].token_ids) if j in by_index else 0
                           for j in range(params.n)
                           if j not in by_index or not by_index[j].finished), default=0)
-        if num_tokens == 0 and not any(r.finished for r in by_index.values()):
-            return  # nothing to resume from: it starts as a new request
+        if num_tokens == 0:
+            # Nothing to go on from (a sample the client saw finish runs again, and the client
+            # ignores it): it starts as a new request, with its prompt's fan-out.
+            return
         # Every sample is a sequence of its own from here (the prompt was sampled already, so
         # there is no fan-out to fork), recomputed from its tokens like a preempted one.
         seqs = [group.first_seq] + [
@@ -167,8 +171,6 @@ class LLMEngine:
                 seq.output_logprobs = [{t: 0.0} for t in token_ids]
             if r.finished:
                 seq.status = SequenceStatus.FINISHED_STOPPED
-        if all(seq.is_finished() for seq in seqs):
-            raise ValueError("resumed output: every sample is finished; nothing is left to run")
         group.seqs = seqs
 
     def abort_request(self, request_id: str | list[str]) -> list[SequenceGroup]:

@@ -4,7 +4,7 @@ Sockets (all bound here; every other process connects):
 - request_input (PULL) -> tokenizer_input (PUSH): the front door, a zmq proxy thread that
   spreads clients' GenerateRequests round robin over the tokenizers;
 - engine_input (PULL): EngineRequest from tokenizers, AbortRequest from clients, FinishRequest
-  from detokenizers, Register heartbeats from tokenizers;
+  from detokenizers, Register heartbeats from tokenizers and clients (gateways);
 - worker_addr (ROUTER): the workers (ZmqExecutor);
 - detokenizer_addr (ROUTER): detokenizers register; each request's TokenDeltas go to one of
   them, picked when the request first produces output and kept for its lifetime.
@@ -23,6 +23,13 @@ Faults it survives:
   text they already have by its offset.
 - a tokenizer dies: clients resend what was not acknowledged (`RequestAccepted`); a copy of a
   request the engine already has (or has ended) is acknowledged again or ignored.
+- a client (gateway) dies: its heartbeats stop, and its requests are aborted.
+- a worker is stuck (a step in flight for `step_timeout_s`, heartbeats or not): as if it died;
+  health says "stalled" while requests wait and no step completes.
+- a worker's KV cache cannot be set up: tried `_MAX_SETUP_ATTEMPTS` times, then health says
+  "failed" with the error until a new worker process registers.
+- this process dies: clients send their requests again, with their output so far, to the
+  engine that replaces it (`LLMEngine.resume_outputs`).
 """
 import argparse
 import signal
@@ -41,8 +48,8 @@ from shared.config import EngineArgs
 from shared.logging import configure, get_logger
 from shared.sockets import ControlServer, PushRoutes, bind, make_socket, unlink_ipc
 from shared.stack_config import StackConfig
-from services.engine.executor.zmq_executor import WorkerCallError, WorkerLost
-from services.engine.llm_engine import NoKVCacheError
+from services.engine.executor.zmq_executor import WorkerCallError, WorkerLost, ZmqExecutor
+from services.engine.llm_engine import LLMEngine, NoKVCacheError
 
 log = get_logger("engine")
 
@@ -66,7 +73,6 @@ def run(args: argparse.Namespace) -> int:
 
 class EngineService:
     def __init__(self, engine_args: EngineArgs, stack: StackConfig):
-        from services.engine.executor.zmq_executor import ZmqExecutor
         self.stack = stack
         self.ctx = zmq.Context()
         self.status = "starting"
@@ -147,7 +153,7 @@ class EngineService:
                            gateways=self._live("gateway"), gateway_losses=self.gateway_losses,
                            last_step_bytes=self.step_bytes[-1] if self.step_bytes else 0)
             stalled_s = self._stalled_s()
-            if stalled_s > self.stack.step_timeout_s:
+            if self.status == "ok" and stalled_s > self.stack.step_timeout_s:
                 # Alive is not the same as making progress: say so to every probe.
                 details["stalled_s"] = round(stalled_s, 1)
                 return "stalled", details
@@ -185,12 +191,12 @@ class EngineService:
 
     def _advance(self) -> int:
         """One turn of the step loop; returns how long the next poll may wait (ms)."""
+        if not self.in_flight and not self.engine.has_unfinished_requests():
+            self.last_step_done = time.monotonic()  # idle is not stalled
         if not self.executor.ready:
             self._reinitialize_workers()
             if not self.executor.ready:
                 return 200
-        if not self.in_flight and not self.engine.has_unfinished_requests():
-            self.last_step_done = time.monotonic()  # idle is not stalled
         # 1) Schedule and submit the next step while the workers run the current one.
         submitted = False
         if len(self.in_flight) < 2:
@@ -366,7 +372,6 @@ class EngineService:
         """The LLMEngine, once the workers' KV cache is set up. A setup that fails is tried
         again, `_MAX_SETUP_ATTEMPTS` times for the same worker processes; then they are
         ignored (health says why) until new ones register."""
-        from services.engine.llm_engine import LLMEngine
         while True:
             self.executor.wait_for_workers(float("inf"))
             try:

@@ -15,7 +15,8 @@ Faults it rides out or reports:
   process (it restarted), every request in flight is sent again with the output its caller
   already has (`ResumedOutput`): the new engine recomputes those tokens and samples on, and
   its text, decoded again from the start, is cut where the caller's stream stands. Requests
-  without a seed get one here, so a sampled request also goes on as it would have. While the
+  without a seed get one here (drawn at random: the engine's `--seed` no longer decides it),
+  so a sampled request also goes on as it would have. While the
   engine is away new requests wait for it; only once it has been away for `output_timeout_s`
   do the requests in flight end with 503 and new ones get 503 at once.
 """
@@ -26,7 +27,6 @@ import dataclasses
 import functools
 import os
 import random
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -36,7 +36,6 @@ import zmq
 import zmq.asyncio
 
 from proto.codec import CodecError, decode, encode
-from proto.control import Register
 from proto.requests import (AbortRequest, ChatMessage, ErrorResponse, GenerateRequest,
                             RequestAccepted, RequestTextDelta, ResumedOutput, SequenceTextDelta,
                             TextDeltas)
@@ -45,6 +44,7 @@ from shared.sampling_params import SamplingParams
 from shared.sockets import (bind, bind_random_port, connect, make_socket, probe_health,
                             unlink_ipc)
 from shared.stack_config import StackConfig
+from services.gateway.heartbeat import GatewayHeartbeat
 from services.engine.outputs import CompletionOutput, RequestOutput
 
 log = get_logger("client")
@@ -67,7 +67,7 @@ class _Stream:
     """One request: what it asked, its outputs as they arrive, and how much of each sequence
     the caller has."""
     queue: asyncio.Queue
-    engine_epoch: int  # the engine process it was sent to (see `AsyncEngineClient._watch`)
+    engine_epoch: int  # the engine process it was sent to (see `AsyncEngineClient._probe`)
     prompt: str | list[int] | list[ChatMessage]
     params: SamplingParams
     arrival_time: float
@@ -121,7 +121,7 @@ class AsyncEngineClient:
         self._heartbeat = GatewayHeartbeat(self.stack, self.gateway_id, self.curve)
         # What the watchdog knows of the engine.
         self.engine_ok = True  # answering, with status "ok" (until a probe says otherwise)
-        self.engine_pid: int | None = None
+        self.engine_boot_id: str | None = None  # which engine process answers
         self.engine_epoch = 0  # counts engine restarts seen
         self._resumed_epoch = 0  # the epoch whose requests were last sent again
         self._last_answer = self._last_ok = time.monotonic()
@@ -133,6 +133,11 @@ class AsyncEngineClient:
         self.num_resumed_tokens = 0  # the output tokens they carried
 
     # -- public API ----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start watching the engine now (a server calls this at start-up), rather than at the
+        first request, so that the time the engine has been away is known from the start."""
+        self._ensure_tasks()
+
     def engine_away_s(self) -> float:
         """How long the engine has not been answering "ok" (0 while it does)."""
         return 0.0 if self.engine_ok else time.monotonic() - self._last_ok
@@ -177,16 +182,22 @@ class AsyncEngineClient:
                 raise EngineRequestError(400, f"the request cannot be encoded: {e}",
                                          request_id) from None
             await self._wait_for_engine(request_id)
+            stream.engine_epoch = self.engine_epoch  # sent to this engine
             await self._submit(frame, request_id)
             accepted, resends = False, 0
+            unreachable_since = None  # when a tokenizer first said it cannot reach the engine
             while True:
                 timeout = self.output_timeout_s if accepted else min(self.ack_timeout_s,
                                                                      self.output_timeout_s)
                 try:
                     item = await asyncio.wait_for(stream.queue.get(), timeout)
                 except asyncio.TimeoutError:
-                    if not self.engine_ok:
+                    if not self.engine_ok and not self.engine_given_up:
                         continue  # the watchdog resubmits it or, in the end, fails it
+                    if self.engine_given_up:
+                        raise EngineRequestError(
+                            503, f"the engine has not been available for "
+                                 f"{self.engine_away_s():.0f} s", request_id) from None
                     if accepted:
                         raise EngineRequestError(
                             503, f"no output from the engine for {self.output_timeout_s:.0f} s",
@@ -206,7 +217,7 @@ class AsyncEngineClient:
                     frame = self._frame(request_id, stream)
                     accepted, resends = False, 0
                     num_tokens = sum(map(len, stream.token_ids.values()))
-                    self.num_resumed += 1
+                    self.num_resumed += 1 if num_tokens else 0
                     self.num_resumed_tokens += num_tokens
                     log.info("request sent to the new engine", request_id=request_id,
                              resumed_tokens=num_tokens)
@@ -214,18 +225,23 @@ class AsyncEngineClient:
                     continue
                 accepted = True
                 if item is _ACCEPTED:
+                    unreachable_since = None
                     continue
                 if isinstance(item, EngineRequestError):
                     raise item
                 if isinstance(item, ErrorResponse):
-                    if item.code == 503 and resends < self.max_resubmits:
-                        # A tokenizer could not reach the engine (it is restarting): again,
-                        # once the engine is back.
-                        accepted, resends = False, resends + 1
-                        await self._wait_for_engine(request_id)
-                        frame = self._frame(request_id, stream)
-                        await self._submit(frame, request_id)
-                        continue
+                    if item.code == 503:
+                        # A tokenizer could not reach the engine (it died, maybe before the
+                        # watchdog saw it): again, until the engine has been away too long.
+                        now = time.monotonic()
+                        unreachable_since = unreachable_since or now
+                        if now - unreachable_since < self.output_timeout_s:
+                            accepted = False
+                            await asyncio.sleep(self.probe_interval_s)
+                            await self._wait_for_engine(request_id)
+                            frame = self._frame(request_id, stream)
+                            await self._submit(frame, request_id)
+                            continue
                     finished = True  # the stack already dropped it
                     raise EngineRequestError(item.code, item.message, request_id)
                 out = self._request_output(item, stream, params.n)
@@ -289,9 +305,16 @@ class AsyncEngineClient:
                 await asyncio.wait_for(self._engine_back.wait(), left)
 
     async def _submit(self, frame: bytes, request_id: str) -> None:
-        # Connecting takes a moment after start (and after the engine restarts).
-        if not await self._send_within(self.requests, frame, min(self.engine_timeout_s, 5.0)):
-            raise EngineRequestError(503, "the engine is not reachable; retry later", request_id)
+        """Send to the engine's front door. Connecting takes a moment after start, and the
+        engine may be restarting: keep trying while it may come back."""
+        # Past this, an engine still taken for ok has had time to be found missing: its front
+        # door is refusing for another reason.
+        deadline = time.monotonic() + self.engine_timeout_s + 5.0
+        while not await self._send_within(self.requests, frame, 1.0):
+            if self.engine_given_up or (self.engine_ok and time.monotonic() > deadline):
+                raise EngineRequestError(503, "the engine is not reachable; retry later",
+                                         request_id)
+            await self._wait_for_engine(request_id)
 
     @staticmethod
     async def _send_within(sock: zmq.asyncio.Socket, frame: bytes, timeout_s: float) -> bool:
@@ -341,15 +364,16 @@ class AsyncEngineClient:
         flight to it again (once it is ok); when none has answered ok for `output_timeout_s`,
         fail them."""
         health = await self.health(min(1.0, self.engine_timeout_s))
-        self._probed = True
         now = time.monotonic()
+        first = not self._probed
+        self._probed = True
         if health is not None:
-            pid = health.details.get("pid")
-            if self.engine_pid is not None and pid != self.engine_pid:
+            boot_id = health.details.get("boot_id")
+            if self.engine_boot_id is not None and boot_id != self.engine_boot_id:
                 self.engine_epoch += 1
                 log.warning("the engine restarted; requests in flight will be sent to it "
-                            "again", pid=pid, requests=len(self.streams))
-            self.engine_pid = pid
+                            "again", pid=health.details.get("pid"), requests=len(self.streams))
+            self.engine_boot_id = boot_id
             self._last_answer = now
             ok = health.status == "ok"
             if ok != self.engine_ok:
@@ -359,6 +383,11 @@ class AsyncEngineClient:
             if ok and self._resumed_epoch < self.engine_epoch:
                 self._resumed_epoch = self.engine_epoch
                 self._resubmit_streams(self.engine_epoch)
+        elif first:
+            # Never seen: away from now on (not since this client was made, maybe long ago).
+            log.warning("no engine answers", addr=self.stack.engine_control)
+            self._last_answer = self._last_ok = now
+            self._set_engine_ok(False, now)
         elif now - self._last_answer > self.engine_timeout_s:
             if self.engine_ok:
                 log.warning("the engine is not answering; requests wait for it",
@@ -452,40 +481,3 @@ class AsyncEngineClient:
             num_prompt_tokens=delta.usage.prompt_tokens,
             num_output_tokens=delta.usage.completion_tokens)
 
-
-class GatewayHeartbeat:
-    """Tells the engine this client is alive, from a thread of its own (a busy event loop is
-    not a dead process): the engine aborts a client's requests when its heartbeats stop."""
-
-    def __init__(self, stack: StackConfig, gateway_id: str, curve):
-        self.stack = stack
-        self.frame = encode(Register("gateway", gateway_id, heartbeat=True))
-        self.curve = curve
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="gateway-heartbeat",
-                                            daemon=True)
-            self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=2)
-
-    def _run(self) -> None:
-        ctx = zmq.Context()
-        sock = make_socket(ctx, zmq.PUSH)
-        sock.setsockopt(zmq.IMMEDIATE, 1)  # no beats queued up for an engine that is away
-        connect(sock, self.stack.engine_input, self.curve)
-        try:
-            while True:
-                with contextlib.suppress(zmq.Again):
-                    sock.send(self.frame, zmq.NOBLOCK)
-                if self._stop.wait(self.stack.liveness_timeout_s / 4):
-                    return
-        finally:
-            sock.close(0)
-            ctx.term()

@@ -84,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
 
     async def serve() -> None:
         client = AsyncEngineClient(stack, output_timeout_s=args.request_timeout)
+        client.start()
         app = create_app(client, settings)
         server = GatewayServer(uvicorn.Config(app, host=args.host, port=args.port,
                                               access_log=False, log_level="warning",

@@ -57,8 +57,12 @@ class ExtraSamplingFields(RequestModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    # Not sampling, but vLLM's too: requests share prefix-cache blocks only with requests of
-    # the same salt (one per tenant keeps tenants' prompts apart).
+
+
+class ExtraRequestFields(ExtraSamplingFields):
+    """vLLM's request fields that are not sampling parameters, accepted by both endpoints."""
+    # Requests share prefix-cache blocks only with requests of the same salt (one per tenant
+    # keeps tenants' prompts apart).
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
 
 
@@ -72,7 +76,7 @@ class UsageInfo(ResponseModel):
 TokenIds = list[NonNegativeInt]
 
 
-class CompletionRequest(ExtraSamplingFields):
+class CompletionRequest(ExtraRequestFields):
     model: str | None = None
     prompt: str | list[str] | TokenIds | list[TokenIds]
     max_tokens: PositiveInt | None = 16
@@ -157,7 +161,7 @@ class ChatMessageParam(BaseModel):
         return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(ExtraSamplingFields):
+class ChatCompletionRequest(ExtraRequestFields):
     model: str | None = None
     messages: Annotated[list[ChatMessageParam], Field(min_length=1)]
     max_tokens: PositiveInt | None = None

@@ -27,10 +27,16 @@ class StackStatus:
 
     @property
     def engine_coming_back(self) -> bool:
-        """Only the engine is missing, and it is down, starting or stalled: it may be back
-        soon (a restart, a recovery), unlike an engine whose setup failed for good."""
-        return self.missing == ["engine"] and (
-            self.health is None or self.health.status in ("starting", "stalled"))
+        """Only the engine or its workers are missing, and the engine is down, starting,
+        stalled or recovering from a worker's loss: it may serve again soon, so a request may
+        wait for it. Not so for an engine whose workers' set-up failed ("failed"): it waits
+        for someone to start new worker processes."""
+        if self.health is None:
+            return True
+        if not set(self.missing) <= {"engine", "worker"}:
+            return False
+        return (self.health.status in ("starting", "stalled")
+                or bool(self.health.details.get("recovering")))
 
     def explain(self) -> str:
         if self.health is None:

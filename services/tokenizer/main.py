@@ -4,9 +4,7 @@ Start as many as you like with the same addresses: each connects to the engine's
 (PULL, round robin) and pushes to the engine's input.
 """
 import argparse
-import os
 import signal
-import socket
 import time
 
 import zmq
@@ -16,7 +14,8 @@ from proto.control import Register
 from proto.requests import ErrorResponse, GenerateRequest
 from shared.config import EngineArgs
 from shared.logging import configure, get_logger
-from shared.sockets import ControlServer, PushRoutes, connect, make_socket
+from shared.sockets import (ControlServer, PushRoutes, connect, make_socket,
+                            process_instance_id)
 from shared.stack_config import StackConfig
 from shared.tokenizer import get_tokenizer
 from services.tokenizer.tokenize import PromptChecks, RequestRejected, RequestTokenizer
@@ -40,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
 class TokenizerService:
     def __init__(self, engine_args: EngineArgs, stack: StackConfig, instance: str = "0"):
         self.stack = stack
-        self.instance_id = f"{socket.gethostname()}-{os.getpid()}"
+        self.instance_id = process_instance_id()
         self.ctx = zmq.Context()
         self.status = "starting"
         self.handled = 0

@@ -1,8 +1,6 @@
 """`pagoda worker`: one device's Worker behind a ZMQ DEALER socket connected to the engine."""
 import argparse
-import os
 import signal
-import socket
 import threading
 import time
 
@@ -14,7 +12,7 @@ from proto.messages import ExecuteModelRequest
 from proto.requests import ErrorResponse
 from shared.config import EngineArgs
 from shared.logging import configure, get_logger
-from shared.sockets import ControlServer, connect, make_socket
+from shared.sockets import ControlServer, connect, make_socket, process_instance_id
 from shared.stack_config import StackConfig
 
 log = get_logger("worker")
@@ -38,12 +36,13 @@ class WorkerService:
         from services.worker.worker import Worker
         self.stack = stack
         self.rank = rank
-        self.instance_id = f"{socket.gethostname()}-{os.getpid()}"
+        self.instance_id = process_instance_id()
         self.ctx = zmq.Context()
         self.status = "starting"
         self.busy_s = 0.0  # forward passes
         self.idle_s = 0.0  # waiting for the next step while steps are flowing
         self.steps = 0
+        self.step_started: float | None = None  # monotonic, while a step runs
         self.control = ControlServer(self.ctx, stack.control_for("worker", rank), "worker",
                                      self._health).start()
         config = engine_args.create_engine_config()
@@ -59,8 +58,15 @@ class WorkerService:
         self.status = "ok"
 
     def _health(self) -> tuple[str, dict]:
-        return self.status, {"rank": self.rank, "steps": self.steps,
-                             "busy_s": round(self.busy_s, 3), "idle_s": round(self.idle_s, 3)}
+        details = {"rank": self.rank, "steps": self.steps, "busy_s": round(self.busy_s, 3),
+                   "idle_s": round(self.idle_s, 3)}
+        started = self.step_started
+        if started is not None and time.monotonic() - started > self.stack.step_timeout_s:
+            # Inside one step for longer than the engine waits for it: stuck, and the engine
+            # has given up on it. The launcher restarts a process that stays "stuck".
+            details["step_s"] = round(time.monotonic() - started, 1)
+            return "stuck", details
+        return self.status, details
 
     def serve(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_stop", True))
@@ -116,7 +122,11 @@ class WorkerService:
             return encode(ErrorResponse(None, 400, f"worker: bad frame: {e}"))
         if isinstance(msg, ExecuteModelRequest):
             self.steps += 1
-            return encode(self.worker.execute_model(msg))
+            self.step_started = time.monotonic()
+            try:
+                return encode(self.worker.execute_model(msg))
+            finally:
+                self.step_started = None
         try:
             if msg.method == "determine_num_available_blocks":
                 result = list(self.worker.determine_num_available_blocks())
