@@ -31,6 +31,18 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 
 
+def device_for_rank(device: torch.device, rank: int, device_count: int) -> torch.device:
+    """The device of tensor-parallel rank `rank`: the CPU for every rank; on CUDA one GPU per
+    rank, `cuda` meaning GPUs 0, 1, ... and `cuda:N` GPUs N, N+1, ..."""
+    if device.type != "cuda":
+        return device
+    index = (device.index or 0) + rank
+    if index >= device_count:
+        raise ConfigError("device", f"rank {rank} would run on cuda:{index}, but this host has "
+                                    f"{device_count} CUDA device(s)")
+    return torch.device("cuda", index)
+
+
 @dataclass
 class ModelConfig:
     source: ModelSource
@@ -306,10 +318,16 @@ class EngineArgs:
 
     def _dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":
-            return torch.float32 if device.type == "cpu" else torch.bfloat16
-        if self.dtype not in _DTYPES:
+            dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+        elif self.dtype in _DTYPES:
+            dtype = _DTYPES[self.dtype]
+        else:
             raise ConfigError("dtype", f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        return _DTYPES[self.dtype]
+        if (device.type == "cuda" and dtype == torch.bfloat16
+                and not torch.cuda.is_bf16_supported()):
+            raise ConfigError("dtype", f"{torch.cuda.get_device_name(device)} has no bfloat16; "
+                                       f"use --dtype float16")
+        return dtype
 
     # -- command line ---------------------------------------------------------------------------
     @classmethod

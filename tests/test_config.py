@@ -53,6 +53,7 @@ def test_values_reach_their_component_configs(model_folder):
 def on_cuda(monkeypatch):
     """Configuration as on a CUDA host (nothing in it touches the device)."""
     monkeypatch.setattr(EngineArgs, "_device", lambda self: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
 
 
 def budget_of(args: EngineArgs) -> tuple[tuple, list[dict]]:

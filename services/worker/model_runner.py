@@ -279,9 +279,12 @@ class ModelRunner:
 
     # -- profiling -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def profile_run(self, num_tokens: int) -> None:
-        """One forward pass as large as a step can be, with no KV cache, to measure peak memory."""
+    def profile_run(self, num_tokens: int, num_sampled_rows: int = 1) -> None:
+        """One forward pass as large as a step can be, with no KV cache, to measure peak memory:
+        `num_tokens` prompt tokens, logits for `num_sampled_rows` of them (a step samples at
+        most one row per sequence) and the sampler's float temporaries over those rows."""
         num_tokens = max(2, num_tokens)
+        num_sampled_rows = max(1, min(num_sampled_rows, num_tokens))
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         positions = torch.arange(num_tokens, device=self.device)
         z = torch.zeros(1, dtype=torch.long, device=self.device)
@@ -293,4 +296,8 @@ class ModelRunner:
             max_query_len=num_tokens, max_seq_len=num_tokens, block_size=self.block_size,
             seq_lens_list=[num_tokens], query_lens_list=[num_tokens])
         hidden = self.model(input_ids, positions, None, meta)
-        self.model.compute_logits(hidden[-1:])
+        logits = self.model.compute_logits(hidden[-num_sampled_rows:])
+        # What the sampler's general path allocates beside the logits: a float copy, its
+        # normaliser and the top candidates it sorts instead of the whole vocabulary.
+        floats = logits.float()
+        floats.log_softmax(-1).topk(min(1024, floats.shape[-1]), dim=-1)

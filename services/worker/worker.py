@@ -5,9 +5,10 @@ import structlog
 import torch
 
 from proto.messages import ExecuteModelRequest, SamplerOutput
-from shared.config import PagodaConfig
+from shared.config import PagodaConfig, device_for_rank
 from services.worker.cache_engine import CacheEngine
 from services.worker.host_memory import keep_freed_memory
+from services.worker.memory_budget import ProfileMemory, num_kv_blocks
 from services.worker.model_runner import ModelRunner
 
 log = structlog.get_logger("worker")
@@ -19,7 +20,13 @@ class Worker:
     def __init__(self, config: PagodaConfig, rank: int = 0):
         self.config = config
         self.rank = rank
-        self.device = config.device_config.device
+        device = config.device_config.device
+        if device.type == "cuda":
+            # One GPU per rank; the runner and every tensor read the device from the config.
+            device = device_for_rank(device, rank, torch.cuda.device_count())
+            config.device_config.device = device
+        self.device = device
+        self.free_at_start: int | None = None  # device bytes free before the model loaded
         self.model_runner = ModelRunner(config)
         self.cache_engine: CacheEngine | None = None
 
@@ -27,6 +34,8 @@ class Worker:
         torch.manual_seed(self.config.model_config.seed)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            torch.cuda.empty_cache()
+            self.free_at_start, _ = torch.cuda.mem_get_info(self.device)
         elif self.device.type == "cpu":
             keep_freed_memory()  # activations reuse their pages step after step
 
@@ -48,14 +57,22 @@ class Worker:
             return cache.num_gpu_blocks_override, num_cpu
         if self.device.type == "cpu":
             return int(cache.kv_cache_space_gib * _GIB) // block_bytes, num_cpu
+        sched = self.config.scheduler_config
+        # The profile's peak holds the weights too (allocated all along; free_at_start was
+        # before them), but not the transients of loading them.
         torch.cuda.reset_peak_memory_stats(self.device)
-        self.model_runner.profile_run(self.config.scheduler_config.max_num_batched_tokens)
+        self.model_runner.profile_run(sched.max_num_batched_tokens, sched.max_num_seqs)
         torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        _, total = torch.cuda.mem_get_info(self.device)
-        budget = total * cache.gpu_memory_utilization - peak
+        free_after, _ = torch.cuda.mem_get_info(self.device)
+        profile = ProfileMemory(
+            free_at_start=self.free_at_start, free_after=free_after,
+            torch_peak=torch.cuda.max_memory_allocated(self.device),
+            torch_reserved=torch.cuda.memory_reserved(self.device))
         torch.cuda.empty_cache()
-        return max(int(budget) // block_bytes, 0), num_cpu
+        num_blocks = num_kv_blocks(profile, cache.gpu_memory_utilization, block_bytes)
+        log.info("memory profiled", free_at_start_gib=round(profile.free_at_start / _GIB, 2),
+                 peak_gib=round(profile.torch_peak / _GIB, 2), device_blocks=num_blocks)
+        return num_blocks, num_cpu
 
     def initialize_cache(self, num_device_blocks: int, num_cpu_blocks: int) -> None:
         self.free_cache()  # never two caches at once

@@ -202,9 +202,9 @@ class LlamaDecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         packed = (attn.qkv_proj.packed, attn.o_proj.packed, mlp.gate_up_proj.packed,
                   mlp.down_proj.packed)
-        return (cpu_kernels.layer_blocks_available()
-                and all(p is not None and p.kind == "amx" for p in packed)
-                and mlp.gate_up_proj.packed.gate_up)
+        # The packing first: on a GPU nothing is packed, and the CPU kernels are never built.
+        return (all(p is not None and p.kind == "amx" for p in packed)
+                and mlp.gate_up_proj.packed.gate_up and cpu_kernels.layer_blocks_available())
 
     def forward_blocks(self, positions: torch.Tensor, x: torch.Tensor,
                        residual: torch.Tensor | None, kv_cache: KVCache | None,
