@@ -18,6 +18,7 @@ from services.worker.attention import AttentionMetadata, get_attn_backend
 from services.worker.model_loader import load_model
 from services.worker.sampler import Sampler, compute_prompt_logprobs
 from services.worker.sampling_metadata import SamplingRow, SamplingTensors
+from services.worker.staging import StagingBuffer
 
 
 @dataclass
@@ -59,6 +60,8 @@ class ModelRunner:
             num_heads=mc.hf_config.num_attention_heads, num_kv_heads=mc.num_kv_heads,
             head_dim=mc.head_dim, block_size=self.block_size)
         self.model = None
+        # On a GPU the step's integer inputs cross in one pinned, non-blocking copy.
+        self.staging = StagingBuffer(self.device) if self.device.type == "cuda" else None
         self.sampler = Sampler()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.requests: dict[str, RequestState] = {}
@@ -176,28 +179,34 @@ class ModelRunner:
             block_tables[i, :n] = row.state.block_table[:n]
         positions = np.concatenate([np.atleast_1d(p) for p in positions]).astype(np.int64)
         slots = np.concatenate([np.atleast_1d(s) for s in slots]).astype(np.int64)
-        dev = self.device
         query_start = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(query_lens, out=query_start[1:])
         seq_lens_np = np.asarray(seq_lens, dtype=np.int64)
         num_prefill_tokens = int(query_start[num_prefills])
+        arrays = {"input_ids": np.asarray(tokens, dtype=np.int64), "positions": positions,
+                  "slot_mapping": slots, "query_start_loc": query_start,
+                  "seq_lens": seq_lens_np, "context_lens": seq_lens_np - np.asarray(query_lens),
+                  "block_tables": block_tables}
+        if self.staging is not None:
+            t = self.staging.transfer(arrays)  # one copy for all of them
+        else:
+            t = {name: torch.from_numpy(a) for name, a in arrays.items()}  # no copy at all
         meta = AttentionMetadata(
             num_prefills=num_prefills,
             num_prefill_tokens=num_prefill_tokens,
             num_decode_tokens=len(tokens) - num_prefill_tokens,
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            query_start_loc=torch.from_numpy(query_start).to(dev),
-            seq_lens=torch.from_numpy(seq_lens_np).to(dev),
-            context_lens=torch.from_numpy(seq_lens_np - np.asarray(query_lens)).to(dev),
-            block_tables=torch.from_numpy(block_tables).to(dev),
+            slot_mapping=t["slot_mapping"],
+            query_start_loc=t["query_start_loc"],
+            seq_lens=t["seq_lens"],
+            context_lens=t["context_lens"],
+            block_tables=t["block_tables"],
             max_query_len=max([q for q in query_lens if q > 1], default=1),
             max_seq_len=max(seq_lens),
             block_size=bs,
             seq_lens_list=seq_lens,
             query_lens_list=query_lens,
         )
-        input_ids = torch.tensor(tokens, dtype=torch.long, device=dev)
-        return input_ids, torch.from_numpy(positions).to(dev), meta
+        return t["input_ids"], t["positions"], meta
 
     def _sample(self, rows: list[_Row], hidden: torch.Tensor, out: SamplerOutput) -> None:
         logits = self.model.compute_logits(hidden)  # [num_rows, vocab], the model's dtype
