@@ -1,0 +1,86 @@
+"""The KV cache write (vLLM's reshape_and_cache) as a Triton kernel.
+
+key / value    [T, num_kv_heads, head_dim], each token's heads contiguous, tokens at any stride
+               (so the k and v slices of a fused qkv projection are written without a copy)
+key_cache /    [num_blocks, block_size, num_kv_heads, head_dim], contiguous
+value_cache
+slot_mapping   [T] int64, slot = block_id * block_size + offset; -1 marks a padding token
+
+Token t's key and value rows go to cache slot slot_mapping[t]. The reference is
+kernels.reference.write_kv_cache (an index_copy_ into the caches seen as
+[num_blocks * block_size, num_kv_heads, head_dim]); the result is the same, bit for bit, since
+nothing is computed, only copied. Unlike the reference, a slot of -1 is allowed and writes
+nothing: a batch padded to a fixed size (a captured graph's) points its padding tokens there.
+"""
+import torch
+import triton
+import triton.language as tl
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def _write_kv_cache_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
+                           key_stride, value_stride, num_slots, ROW: tl.constexpr,
+                           BLOCK: tl.constexpr):
+    # One program per (token, BLOCK values of its row of num_kv_heads * head_dim values): the
+    # row is contiguous in the input and in the cache slot, so this is one masked copy.
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    slot = tl.load(slot_ptr + token)
+    # Padding (-1) writes nothing. Slots past the cache are dropped as well rather than written
+    # out of bounds: the kernel cannot raise, and checking on the host would wait on the device.
+    # (One comparison against a row length of 0 or ROW, rather than `&` of the scalar test
+    # into the lane mask, which Triton's interpreter turns into an int32 mask it cannot use.)
+    mask = cols < tl.where((slot >= 0) & (slot < num_slots), ROW, 0)
+    dst = slot * ROW + cols  # int64: a large cache holds more than 2**31 values
+    k = tl.load(key_ptr + token * key_stride + cols, mask=mask)
+    tl.store(key_cache_ptr + dst, k, mask=mask)
+    v = tl.load(value_ptr + token * value_stride + cols, mask=mask)
+    tl.store(value_cache_ptr + dst, v, mask=mask)
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                   value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """As kernels.reference.write_kv_cache: key/value [T, num_kv_heads, head_dim] (each token's
+    heads contiguous, tokens at any stride) -> the cache slots `slot_mapping` [T] int64, in
+    place. A slot of -1 (padding) is skipped; so is one >= num_blocks * block_size, unchecked."""
+    if key.dim() != 3 or value.shape != key.shape:
+        raise ValueError(f"kv cache write: key and value must both be [T, num_kv_heads, "
+                         f"head_dim], got {tuple(key.shape)} and {tuple(value.shape)}")
+    tokens, num_kv_heads, head_dim = key.shape
+    if (key_cache.dim() != 4 or value_cache.shape != key_cache.shape
+            or key_cache.shape[2:] != (num_kv_heads, head_dim)):
+        raise ValueError(f"kv cache write: caches must both be [num_blocks, block_size, "
+                         f"{num_kv_heads}, {head_dim}], got {tuple(key_cache.shape)} and "
+                         f"{tuple(value_cache.shape)}")
+    if not (key.dtype == value.dtype == key_cache.dtype == value_cache.dtype
+            and key.dtype in _DTYPES):
+        raise ValueError(f"kv cache write: {key.dtype} / {value.dtype} rows into "
+                         f"{key_cache.dtype} / {value_cache.dtype} caches (one dtype of "
+                         f"{', '.join(map(str, _DTYPES))} for all four)")
+    for name, t in (("key", key), ("value", value)):
+        # The kernel copies each token's row as one run of num_kv_heads * head_dim values (the
+        # stride of a dimension of size 1 does not matter).
+        if ((head_dim > 1 and t.stride(2) != 1)
+                or (num_kv_heads > 1 and t.stride(1) != head_dim)):
+            raise ValueError(f"kv cache write: {name} rows must have each token's heads "
+                             f"contiguous, got strides {t.stride()} for {tuple(t.shape)}")
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError("kv cache write: the caches must be contiguous")
+    if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (tokens,):
+        raise ValueError(f"kv cache write: slot_mapping must be int64 [{tokens}], got "
+                         f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    devices = {t.device for t in (key, value, key_cache, value_cache, slot_mapping)}
+    if len(devices) != 1:
+        raise ValueError(f"kv cache write: tensors on several devices {sorted(map(str, devices))}")
+    if tokens == 0:
+        return
+    slot_mapping = slot_mapping.contiguous()
+    row = num_kv_heads * head_dim
+    block = min(triton.next_power_of_2(row), 1024)
+    grid = (tokens, triton.cdiv(row, block))
+    _write_kv_cache_kernel[grid](key, value, key_cache, value_cache, slot_mapping,
+                                 key.stride(0), value.stride(0),
+                                 key_cache.shape[0] * key_cache.shape[1], ROW=row, BLOCK=block,
+                                 num_warps=4 if block >= 512 else 1)
