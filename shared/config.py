@@ -101,7 +101,7 @@ class ParallelConfig:
 @dataclass
 class DeviceConfig:
     device: torch.device
-    attention_backend: str = "auto"  # auto, torch or cpu (services/worker/attention)
+    attention_backend: str = "auto"  # auto, torch, cpu or triton (services/worker/attention)
 
 
 @dataclass
@@ -209,9 +209,9 @@ class EngineArgs:
         if self.tensor_parallel_size != 1:
             raise ConfigError("tensor_parallel_size",
                               f"only 1 is supported so far, got {self.tensor_parallel_size}")
-        if self.attention_backend not in ("auto", "torch", "cpu"):
-            raise ConfigError("attention_backend",
-                              f"must be auto, torch or cpu, got {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
+            raise ConfigError("attention_backend", f"must be auto, torch, cpu or triton, got "
+                                                   f"{self.attention_backend!r}")
         if self.attention_backend == "cpu" and device.type != "cpu":
             raise ConfigError("attention_backend", f"'cpu' needs the cpu device, not {device}")
         if self.load_format not in ("auto", "safetensors", "gguf"):

@@ -5,6 +5,7 @@ prompt chunk, or a resumed sequence being recomputed), then one token per decodi
 Each sequence attends to all of its tokens in the paged KV cache up to its own position; the
 backend first writes this step's K/V into the cache at `slot_mapping`.
 """
+import importlib.util
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -55,8 +56,15 @@ def get_attn_backend(name: str = "torch", *, dtype: torch.dtype = torch.float32,
                      device: torch.device = torch.device("cpu"), num_heads: int = 1,
                      num_kv_heads: int = 1, head_dim: int = 64,
                      block_size: int = 16) -> AttentionBackend:
-    """The backend called `name`; "auto" picks the compiled CPU kernels where they run for this
-    model (CPU device, float32/bfloat16, a C compiler present), else the torch reference ops."""
+    """The backend called `name`. "auto" picks the Triton kernels on CUDA when triton is
+    installed, the compiled CPU kernels on the CPU where they run for this model (float32 or
+    bfloat16, a C compiler present), else the torch reference ops. "triton" on the CPU needs
+    Triton's interpreter (TRITON_INTERPRET=1): for tests only."""
+    if name == "auto" and device.type == "cuda":
+        name = "triton" if importlib.util.find_spec("triton") is not None else "torch"
+    if name == "triton":
+        from services.worker.attention.triton_backend import TritonAttentionBackend
+        return TritonAttentionBackend()
     if name in ("auto", "cpu"):
         from kernels import cpu
         if cpu.supports(dtype, device, num_heads, num_kv_heads, head_dim, block_size):
@@ -70,4 +78,5 @@ def get_attn_backend(name: str = "torch", *, dtype: torch.dtype = torch.float32,
     if name == "torch":
         from services.worker.attention.torch_backend import TorchAttentionBackend
         return TorchAttentionBackend()
-    raise ValueError(f"attention backend {name!r} is unknown (available: auto, torch, cpu)")
+    raise ValueError(f"attention backend {name!r} is unknown (available: auto, torch, cpu, "
+                     f"triton)")

@@ -1,0 +1,44 @@
+"""Attention in Triton kernels (kernels/triton), the CUDA path: the cache write, decode attention
+reading each sequence's blocks in place (split over long contexts), and every prefill of a step
+in one varlen launch over the cache. On the CPU the same kernels run under Triton's interpreter
+(`TRITON_INTERPRET=1`), which is how they are tested here; it is far too slow to serve with.
+
+The profile run (no cache yet) takes the torch reference ops: it measures memory, not speed.
+"""
+import torch
+
+from services.worker.attention.base import AttentionMetadata
+from services.worker.attention.torch_backend import TorchAttentionBackend
+
+
+class TritonAttentionBackend(TorchAttentionBackend):
+    name = "triton"
+
+    def __init__(self):
+        # Imported here: triton is needed only by a worker that picks this backend.
+        from kernels.triton import kv_cache, paged_attention, prefill_attention
+        self._write = kv_cache.write_kv_cache
+        self._decode = paged_attention.paged_decode_attention
+        self._prefill = prefill_attention.prefill_attention
+
+    def _write_kv_cache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        self._write(k, v, k_cache, v_cache, slot_mapping)
+
+    def _decodes(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
+                 scale: float) -> torch.Tensor:
+        return self._decode(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale)
+
+    def _prefills(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  k_cache: torch.Tensor | None, v_cache: torch.Tensor | None,
+                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if k_cache is None:
+            return super()._prefills(q, k, v, k_cache, v_cache, meta, scale)
+        # The step's K/V are in the cache already: whole prompts and chunks after a cached
+        # prefix alike read it, so one launch serves every prefill of the step.
+        n = meta.num_prefills
+        return self._prefill(q, k_cache, v_cache, meta.block_tables[:n],
+                             meta.query_start_loc[:n + 1], meta.context_lens[:n],
+                             meta.seq_lens[:n], meta.max_query_len,
+                             max(meta.seq_lens_list[:n]), scale)
