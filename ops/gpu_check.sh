@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check on a device machine (docs/benchmarks.md, "GPU check (H200)"): installs the
-# wheels carried in .whl/ (ops/gpu_wheels.sh fetches them), then runs ops/bench/gpu_check.py
+# wheels carried in .whl/ (ops/gpu_wheels.sh fetches them), then runs ops/bench/gpu_check/
 # under a time limit, its log kept in $OUT when that is set. Arguments go to the script, e.g.
 #   bash ops/gpu_check.sh --quick --skip-serve
 set -euo pipefail
