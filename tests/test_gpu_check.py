@@ -1,4 +1,4 @@
-"""ops/bench/gpu_check.py: its smoke mode on the CPU (tiny shapes, the Triton kernels under the
+"""ops/bench/gpu_check/: its smoke mode on the CPU (tiny shapes, the Triton kernels under the
 interpreter, no serve) runs every section without a failure, and the roofline is the arithmetic
 its docstring states. The real run needs a GPU (docs/benchmarks.md, "GPU check (H200)")."""
 import json
