@@ -1,7 +1,15 @@
 """Fixtures shared by the engine tests: the default model in transformers (the reference), its
 tokenizer, and one offline LLM on the default model with default settings (a small KV cache)."""
+import os
+
 import pytest
 import torch
+
+# Without a GPU the Triton kernels (kernels/triton) run under Triton's interpreter, which
+# `triton.jit` reads when a kernel module is imported: set it for the whole session, before any
+# test module imports one.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from shared.model_source import resolve_model
 

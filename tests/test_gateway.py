@@ -381,7 +381,8 @@ def test_engine_that_stops_answering_ends_requests_with_an_error(stack):
     finally:
         stack.kill("engine", sig=signal.SIGCONT)
     assert "no output from the engine" in err.value.message
-    assert 3 <= elapsed < 15
+    # The 3 s run from the last output, which came a moment before the engine was stopped.
+    assert 2.5 <= elapsed < 15
     wait_engine_idle(stack)
 
     # Not streamed: a 503 once the request timeout passes.
