@@ -2,6 +2,8 @@
 import math
 from dataclasses import dataclass, field
 
+from shared.structured_output import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 
 
@@ -34,6 +36,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # The grammar the output must follow (None: free text).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         if self.stop is None:
@@ -46,6 +50,8 @@ class SamplingParams:
             self.stop_token_ids = []
         elif isinstance(self.stop_token_ids, tuple):
             self.stop_token_ids = list(self.stop_token_ids)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if isinstance(self.top_k, int) and self.top_k == -1:
             self.top_k = 0
         self.verify()
@@ -99,6 +105,10 @@ class SamplingParams:
                 for t in self.stop_token_ids):
             fail("stop_token_ids", f"must be a list of non-negative integers, "
                                    f"got {self.stop_token_ids!r}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                fail("structured_outputs", "must be a StructuredOutputsParams")
+            self.structured_outputs.verify()
         if self.n > 1 and self.is_greedy:
             # n greedy samples would be n copies of one completion.
             fail("n", "n > 1 needs temperature > 0 (greedy sampling gives identical completions)")
