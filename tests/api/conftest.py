@@ -1,0 +1,59 @@
+"""One `pagoda serve` stack (real processes, real sockets, real HTTP) for every API test of this
+folder, reached through the official `openai` client. Outputs are kept short: this runs on CPUs."""
+import os
+import shutil
+import socket
+import tempfile
+
+import httpx
+import openai
+import pytest
+
+from ops.launcher import LocalStack
+from shared.model_source import DEFAULT_MODEL_NAME
+
+API_KEY = "api-test-key"
+MODEL = DEFAULT_MODEL_NAME
+MAX_MODEL_LEN = 1024
+ENGINE_ARGS = {"kv_cache_space_gib": 0.25, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 32}
+# Settings of the stack's services (the compose file's environment variables).
+STACK_ENV = {"PAGODA_LIVENESS_TIMEOUT_S": "60"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def api_stack():
+    root = tempfile.mkdtemp(prefix="papi-", dir="/tmp")  # short: ipc paths have a length limit
+    stack = LocalStack(engine_args=ENGINE_ARGS, run_dir=os.path.join(root, "stack"),
+                       port=_free_port(), api_key=API_KEY, env=STACK_ENV)
+    try:
+        stack.start(timeout_s=300)
+        yield stack
+    finally:
+        stack.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def client(api_stack):
+    return openai.OpenAI(base_url=api_stack.gateway_url + "/v1", api_key=API_KEY,
+                         max_retries=0, timeout=120)
+
+
+@pytest.fixture
+def aclient(api_stack):
+    return openai.AsyncOpenAI(base_url=api_stack.gateway_url + "/v1", api_key=API_KEY,
+                              max_retries=0, timeout=120)
+
+
+@pytest.fixture
+def http(api_stack):
+    """Plain HTTP, for endpoints and fields the `openai` client has no method for."""
+    with httpx.Client(base_url=api_stack.gateway_url,
+                      headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as c:
+        yield c
