@@ -12,8 +12,31 @@ from shared.sampling_params import SamplingParams
 
 @dataclass
 class ChatMessage:
-    role: str  # "system" | "user" | "assistant" | ...
-    content: str
+    role: str  # "system" | "user" | "assistant" | "tool" | ...
+    content: str  # a message's text parts, joined
+    # What chat templates need of tool use, as OpenAI's API names it. Nested values travel as
+    # JSON text (the codec carries flat values only).
+    tool_calls: str | None = None  # assistant: its calls, OpenAI's JSON array of tool calls
+    tool_call_id: str | None = None  # tool: the call this message answers
+    name: str | None = None  # tool: the function's name
+
+
+@dataclass
+class ChatOptions:
+    """How the tokenizer renders a chat request's messages (vLLM's chat request fields)."""
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the prompt ends inside the last (assistant) message
+    chat_template: str | None = None  # the request's own Jinja template, instead of the served one
+    chat_template_kwargs: str | None = None  # JSON object text: extra variables for the template
+    tools: str | None = None  # JSON array text of OpenAI tool objects, given to the template
+
+
+@dataclass
+class ChatPrompt:
+    """A chat prompt with its options, as the gateway hands it to its engine client, which
+    sends them as `GenerateRequest.prompt` and `.chat_options`. Not a wire message itself."""
+    messages: list[ChatMessage]
+    options: ChatOptions = field(default_factory=ChatOptions)
 
 
 @dataclass
@@ -41,6 +64,11 @@ class GenerateRequest:
     cache_salt: str | None = None
     # Sent again after an engine restart: the output the client has already streamed.
     resumed: list[ResumedOutput] = field(default_factory=list)
+    chat_options: ChatOptions | None = None  # chat prompts only (None: the defaults)
+    # Keep only the prompt's last k tokens (-1: the last max_model_len); None keeps all.
+    truncate_prompt_tokens: int | None = None
+    # The client wants the prompt's token ids back with the first output.
+    return_prompt_token_ids: bool = False
 
 
 @dataclass
@@ -56,6 +84,7 @@ class EngineRequest:
     arrival_time: float
     cache_salt: str | None = None
     resumed: list[ResumedOutput] = field(default_factory=list)  # see GenerateRequest
+    return_prompt_token_ids: bool = False  # see GenerateRequest
 
 
 @dataclass
@@ -87,6 +116,19 @@ class SequenceTokenDelta:
 
 
 @dataclass
+class PromptDelta:
+    """The prompt's part of a request's first delta, when the client asked for it (its token
+    ids, or prompt logprobs). Logprobs are of positions 1.. (the first token has none), laid
+    out as `SequenceTokenDelta`'s; the token texts are filled in by the detokenizer."""
+    token_ids: list[int]
+    logprobs: list[float] = field(default_factory=list)
+    top_token_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
+    token_texts: list[str] = field(default_factory=list)
+    top_token_texts: list[list[str]] = field(default_factory=list)
+
+
+@dataclass
 class RequestTokenDelta:
     request_id: str
     gateway_id: str  # the detokenizer forwards the text to this gateway
@@ -97,6 +139,9 @@ class RequestTokenDelta:
     # for the first word's spacing). Later deltas leave them empty.
     sampling_params: SamplingParams | None = None
     prompt_tail_token_ids: list[int] = field(default_factory=list)
+    prompt: PromptDelta | None = None  # with a header, when the request asked for it
+    # With a header: seconds from the request's arrival to its first schedule.
+    queue_time_s: float | None = None
 
 
 @dataclass
@@ -139,6 +184,8 @@ class RequestTextDelta:
     request_id: str
     sequences: list[SequenceTextDelta]
     usage: Usage
+    prompt: PromptDelta | None = None  # see RequestTokenDelta
+    queue_time_s: float | None = None
 
 
 @dataclass

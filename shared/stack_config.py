@@ -43,6 +43,14 @@ class StackConfig:
     # A CurveZMQ key directory (`pagoda keys DIR`): every socket encrypted, and only holders
     # of an authorized key get in. "" (default): no CURVE, for one host or a private network.
     curve_keys_dir: str = ""
+    # How chat requests are served. chat_template: a Jinja template (a file, or a template
+    # shipped in shared/templates such as `hermes_tools`) used instead of the model's, by the
+    # tokenizers. tool_call_parser (`hermes`, `llama3_json`, `mistral`) and reasoning_parser
+    # (`deepseek_r1`, `qwen3`): how the gateway reads tool calls and <think> spans out of the
+    # model's text; "" (default): none.
+    chat_template: str = ""
+    tool_call_parser: str = ""
+    reasoning_parser: str = ""
 
     def __post_init__(self):
         self.run_dir = self.run_dir or os.environ.get("PAGODA_RUN_DIR") or default_run_dir()

@@ -36,9 +36,9 @@ import zmq
 import zmq.asyncio
 
 from proto.codec import CodecError, decode, encode
-from proto.requests import (AbortRequest, ChatMessage, ErrorResponse, GenerateRequest,
-                            RequestAccepted, RequestTextDelta, ResumedOutput, SequenceTextDelta,
-                            TextDeltas)
+from proto.requests import (AbortRequest, ChatMessage, ChatPrompt, ErrorResponse,
+                            GenerateRequest, RequestAccepted, RequestTextDelta, ResumedOutput,
+                            SequenceTextDelta, TextDeltas)
 from shared.logging import get_logger
 from shared.sampling_params import SamplingParams
 from shared.sockets import (bind, bind_random_port, connect, make_socket, probe_health,
@@ -290,8 +290,12 @@ class AsyncEngineClient:
         self._heartbeat.start()
 
     def _frame(self, request_id: str, stream: _Stream) -> bytes:
-        return encode(GenerateRequest(request_id, self.gateway_id, stream.prompt, stream.params,
-                                      stream.arrival_time, stream.cache_salt, stream.resumed()))
+        prompt, chat_options = stream.prompt, None
+        if isinstance(prompt, ChatPrompt):  # a chat with rendering options (tools, template)
+            prompt, chat_options = prompt.messages, prompt.options
+        return encode(GenerateRequest(request_id, self.gateway_id, prompt, stream.params,
+                                      stream.arrival_time, stream.cache_salt, stream.resumed(),
+                                      chat_options))
 
     async def _wait_for_engine(self, request_id: str) -> None:
         """Returns once the engine answers ok; 503 once it has been away too long."""

@@ -12,6 +12,7 @@ import zmq
 from proto.codec import CodecError, decode, encode
 from proto.control import Register
 from proto.requests import ErrorResponse, GenerateRequest
+from shared.chat_template import load_chat_template
 from shared.config import EngineArgs
 from shared.logging import configure, get_logger
 from shared.sockets import (ControlServer, PushRoutes, connect, make_socket,
@@ -48,8 +49,13 @@ class TokenizerService:
                                      "tokenizer", self._health).start()
         config = engine_args.create_engine_config()
         mc = config.model_config
+        try:
+            chat_template = load_chat_template(stack.chat_template)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"--chat-template: {e}") from None
         self.worker = RequestTokenizer(get_tokenizer(mc.tokenizer),
-                                       PromptChecks(mc.max_model_len, mc.vocab_size), mc.hf_config)
+                                       PromptChecks(mc.max_model_len, mc.vocab_size), mc.hf_config,
+                                       chat_template)
         self.input = make_socket(self.ctx, zmq.PULL)
         connect(self.input, stack.tokenizer_input)
         self.engine = make_socket(self.ctx, zmq.PUSH)

@@ -1,7 +1,8 @@
 """The tokenizer stage's work: chat template, encode, checks. No sockets here."""
 from dataclasses import dataclass
 
-from proto.requests import ChatMessage, EngineRequest, GenerateRequest
+from proto.requests import ChatMessage, ChatOptions, EngineRequest, GenerateRequest
+from shared.chat_template import ChatTemplateError, render_chat
 from shared.tokenizer import eos_token_ids
 
 
@@ -20,27 +21,28 @@ class PromptChecks:
 
 
 class RequestTokenizer:
-    def __init__(self, tokenizer, checks: PromptChecks, hf_config=None):
+    def __init__(self, tokenizer, checks: PromptChecks, hf_config=None,
+                 chat_template: str | None = None):
+        """`chat_template`: Jinja text that replaces the tokenizer's own (--chat-template)."""
         self.tokenizer = tokenizer
         self.checks = checks
         self.eos_token_ids = eos_token_ids(tokenizer, hf_config)
+        self.chat_template = chat_template
 
-    def encode_prompt(self, prompt: str | list[int] | list[ChatMessage]) -> tuple[str | None, list[int]]:
+    def encode_prompt(self, prompt: str | list[int] | list[ChatMessage],
+                      chat_options: ChatOptions | None = None) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         if prompt and isinstance(prompt[0], ChatMessage):
-            messages = [{"role": m.role, "content": m.content} for m in prompt]
             try:
-                text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                          add_generation_prompt=True)
-            except Exception as e:  # a template may reject a conversation (roles, order)
-                raise RequestRejected(f"messages: the chat template refused them: {e}") from None
-            # The template already holds any BOS token.
-            return text, self.tokenizer.encode(text, add_special_tokens=False)
+                rendered = render_chat(self.tokenizer, prompt, chat_options, self.chat_template)
+            except ChatTemplateError as e:
+                raise RequestRejected(str(e)) from None
+            return rendered.text, rendered.token_ids
         return None, list(prompt)
 
     def tokenize(self, req: GenerateRequest) -> EngineRequest:
-        text, ids = self.encode_prompt(req.prompt)
+        text, ids = self.encode_prompt(req.prompt, req.chat_options)
         if not ids:
             raise RequestRejected("prompt: the prompt is empty")
         vocab = self.checks.vocab_size
@@ -49,6 +51,9 @@ class RequestTokenizer:
             raise RequestRejected(f"prompt: token ids out of range [0, {vocab}): {bad[:5]}")
         limit = self.checks.max_model_len
         params = req.sampling_params
+        if req.truncate_prompt_tokens is not None:
+            ids, cut = self.truncate(ids, req.truncate_prompt_tokens)
+            text = None if cut else text  # the text no longer matches the ids
         if len(ids) >= limit:
             raise RequestRejected(
                 f"prompt: this model's maximum context length is {limit} tokens; the prompt has "
@@ -62,4 +67,18 @@ class RequestTokenizer:
         if bad_stop:
             raise RequestRejected(f"stop_token_ids: ids out of range [0, {vocab}): {bad_stop[:5]}")
         return EngineRequest(req.request_id, req.gateway_id, text, ids, params,
-                             self.eos_token_ids, req.arrival_time, req.cache_salt, req.resumed)
+                             self.eos_token_ids, req.arrival_time, req.cache_salt, req.resumed,
+                             req.return_prompt_token_ids)
+
+    def truncate(self, ids: list[int], keep: int) -> tuple[list[int], bool]:
+        """The prompt's last `keep` tokens (-1: the last max_model_len), as vLLM's
+        truncate_prompt_tokens; and whether any were cut."""
+        limit = self.checks.max_model_len
+        if keep == -1:
+            keep = limit
+        if keep < 1:
+            raise RequestRejected(f"truncate_prompt_tokens: must be -1 or at least 1, got {keep}")
+        if keep > limit:
+            raise RequestRejected(f"truncate_prompt_tokens: {keep} is more than this model's "
+                                  f"maximum context length ({limit} tokens)")
+        return ids[-keep:], len(ids) > keep
