@@ -8,6 +8,7 @@ Random numbers do not come from a shared generator: each row's noise is a counte
 (seed, sample_index, output_index, vocab id), so a seeded request draws the same tokens whatever
 else is in the batch and whichever row it lands in.
 """
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -93,7 +94,9 @@ def _sample_random(scores: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         # p_i < min_p * p_max  <=>  x_i < x_max + log(min_p); log(0) = -inf cuts nothing.
         threshold = x.amax(dim=-1, keepdim=True) + t.min_p.log()[:, None]
         x.masked_fill_(x < threshold, float("-inf"))
-    if t.top_p is not None:
+    if (t.top_p is not None or t.top_k is not None) and _filters_in_triton(x):
+        x = _triton_top_k_top_p(x, t.top_k, t.top_p)
+    elif t.top_p is not None:
         x = _apply_top_k_top_p(x, t.top_k, t.max_top_k, t.top_p)
     elif t.top_k is not None:
         x = _apply_top_k(x, t.top_k, t.max_top_k)
@@ -104,6 +107,18 @@ def _sample_random(scores: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     u = uniform_noise(keys, x.shape[1])  # [N, V] in (0, 1)
     exp_noise = u.neg_().log1p_().neg_()  # -log(1 - u): precise for the small E that win
     return (x - exp_noise.log_()).argmax(dim=-1)
+
+
+def _filters_in_triton(x: torch.Tensor) -> bool:
+    """Top-k / top-p on CUDA run as one Triton kernel (a threshold search per row, no sort of
+    the vocabulary); the CPU keeps its candidate path."""
+    return x.is_cuda and importlib.util.find_spec("triton") is not None
+
+
+def _triton_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor | None,
+                        top_p: torch.Tensor | None) -> torch.Tensor:
+    from kernels.triton.top_k_top_p import top_k_top_p  # triton only where it is chosen
+    return top_k_top_p(x, top_k, top_p, out=x)
 
 
 def _apply_top_k(x: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
