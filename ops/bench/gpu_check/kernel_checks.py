@@ -112,15 +112,18 @@ def check_write_kv_cache(run: Run, device, dtype) -> Row:
 
 @contextlib.contextmanager
 def model_torch_path():
-    """The model's modules on their torch code, as on a GPU: the compiled CPU kernels (which
-    would take CPU tensors in the smoke mode) switched off meanwhile."""
+    """The model's modules on their torch code: the compiled CPU kernels (which would take CPU
+    tensors in the smoke mode) and the Triton kernels (which take CUDA tensors) switched off
+    meanwhile."""
     from kernels import cpu
-    saved = cpu.available_for
+    from services.worker.models import llama
+    saved = cpu.available_for, llama.TRITON_ELEMENTWISE
     cpu.available_for = lambda x: False
+    llama.TRITON_ELEMENTWISE = False
     try:
         yield
     finally:
-        cpu.available_for = saved
+        cpu.available_for, llama.TRITON_ELEMENTWISE = saved
 
 
 def bf16_ulps(a, b):

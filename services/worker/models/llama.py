@@ -4,9 +4,11 @@ Tokens of all sequences in a step are one flat batch ([num_tokens, hidden]); onl
 where sequences begin and end (AttentionMetadata). q/k/v and gate/up projections are fused into
 one matmul each; `load_weights` stacks the Hugging Face tensors into them. The residual stream
 is carried beside the hidden state so that each RMSNorm also does the residual add before it.
-On the CPU the element-wise ops run as the compiled kernels of kernels/cpu (one pass each); the
-torch code beside them computes the same and runs everywhere else.
+On the CPU the element-wise ops run as the compiled kernels of kernels/cpu (one pass each), on
+CUDA as the Triton kernels of kernels/triton (the residual add fused into RMSNorm, rotary in
+place); the torch code beside them computes the same and runs everywhere else.
 """
+import importlib.util
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -21,6 +23,15 @@ from services.worker.models.linear import (Linear, PackedWeight, SiluAndMulLinea
                                            pack_weight)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+
+# RMSNorm and rotary as Triton kernels: None = on CUDA tensors when triton is installed; True
+# forces them on any tensor (CPU tensors need TRITON_INTERPRET=1: the tests), False keeps torch.
+TRITON_ELEMENTWISE: bool | None = None
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def triton_elementwise_for(x: torch.Tensor) -> bool:
+    return (x.is_cuda and _HAS_TRITON) if TRITON_ELEMENTWISE is None else TRITON_ELEMENTWISE
 
 
 class Embedding(nn.Module):
@@ -41,10 +52,13 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """RMSNorm(x); with `residual`: (RMSNorm(x + residual), x + residual), the sum written
-        into `residual` in place on the CPU path."""
+        into `residual` in place on the CPU and Triton paths."""
         if cpu_kernels.available_for(x):
             return (cpu_kernels.rms_norm(x, self.weight, self.eps) if residual is None else
                     (cpu_kernels.rms_norm(x, self.weight, self.eps, residual), residual))
+        if triton_elementwise_for(x):
+            from kernels.triton.norm import rms_norm  # triton only where it is chosen
+            return rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         residual = x + residual
@@ -104,9 +118,13 @@ class RotaryEmbedding(nn.Module):
         self.half = head_dim // 2
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, head_dim] -> rotated (in place on the CPU path, a copy otherwise)."""
+        """x [T, heads, head_dim] -> rotated (in place on the CPU and Triton paths, a copy
+        otherwise)."""
         if cpu_kernels.available_for(x):
             return cpu_kernels.rotary_(x, positions, self.cos_sin)
+        if triton_elementwise_for(x):
+            from kernels.triton.rotary import rotary_
+            return rotary_(x, positions, self.cos_sin)
         cos, sin = self.cos_sin.index_select(0, positions).unsqueeze(1).unbind(2)  # [T, 1, D]
         return torch.addcmul(x * cos, x.roll(self.half, dims=-1), sin)
 
