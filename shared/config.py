@@ -102,6 +102,7 @@ class ParallelConfig:
 class DeviceConfig:
     device: torch.device
     attention_backend: str = "auto"  # auto, torch, cpu or triton (services/worker/attention)
+    enforce_eager: bool = False  # no CUDA graphs for decode steps (services/worker/cuda_graphs)
 
 
 @dataclass
@@ -164,6 +165,9 @@ class EngineArgs:
     device: str = "auto"  # auto, cpu, cuda, cuda:N
     # auto: the compiled CPU kernels on the CPU where they build, else the torch reference ops.
     attention_backend: str = "auto"
+    enforce_eager: bool = field(default=False, metadata={"help": (
+        "CUDA: run every step eagerly, without the CUDA graphs captured for decode steps at "
+        "start-up (no effect on the CPU)")})
     load_format: str = "auto"
 
     def create_engine_config(self) -> PagodaConfig:
@@ -244,7 +248,8 @@ class EngineArgs:
                 max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
                 preemption_mode=self.preemption_mode),
             parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
-            device_config=DeviceConfig(device=device, attention_backend=self.attention_backend),
+            device_config=DeviceConfig(device=device, attention_backend=self.attention_backend,
+                                       enforce_eager=self.enforce_eager),
             load_config=LoadConfig(load_format=self.load_format),
         )
 

@@ -154,6 +154,7 @@ INVALID = [
     ("device", dict(device="cuda:99")),
     ("attention_backend", dict(attention_backend="bogus")),
     ("attention_backend", dict(attention_backend="CPU")),
+    ("enforce_eager", dict(enforce_eager="yes")),
     ("load_format", dict(load_format="pt")),
     ("load_format", dict(load_format="gguf")),  # the model is a safetensors folder
 ]
@@ -206,7 +207,7 @@ def test_every_field_round_trips_through_its_flag():
                       enable_prefix_caching=False, enable_chunked_prefill=False, max_num_seqs=8,
                       max_num_batched_tokens=2048, preemption_mode="swap",
                       tensor_parallel_size=2, device="cpu", attention_backend="torch",
-                      load_format="gguf")
+                      enforce_eager=True, load_format="gguf")
     assert all(getattr(args, f.name) != f.default for f in dataclasses.fields(args))
     parsed = EngineArgs.from_cli_args(parser().parse_args(to_argv(args)))
     assert parsed == args

@@ -4,6 +4,7 @@ It keeps each sequence's tokens and block table between steps (`SequenceState`),
 sends only what changed (proto.SequenceData) and the runner appends the tokens it samples itself.
 """
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -15,6 +16,8 @@ from shared.config import PagodaConfig
 from proto.messages import PLACEHOLDER
 from shared.sampling_params import SamplingParams
 from services.worker.attention import AttentionMetadata, get_attn_backend
+from services.worker.grammar import SequenceMatcher, feed, new_matcher
+from services.worker.logit_edits import apply_allowed_token_ids, apply_logit_bias
 from services.worker.model_loader import load_model
 from services.worker.sampler import Sampler, compute_prompt_logprobs
 from services.worker.sampling_metadata import SamplingRow, SamplingTensors
@@ -28,6 +31,14 @@ class RequestState:
     seed: int
     prompt_len: int
     eos_token_ids: list[int]
+    grammar: Future | None = None  # the compiled structured-output grammar, once compiled
+    # Anything to do to this request's logits before sampling (grammar, bias, allowed ids).
+    edits_logits: bool = False
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """What may follow a finished grammar: every id that ends the request."""
+        return sorted(set(self.eos_token_ids) | set(self.params.stop_token_ids))
 
 
 @dataclass
@@ -36,6 +47,8 @@ class SequenceState:
     sample_index: int
     token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
+    # Where the output is in the request's grammar; rebuilt from the output tokens when None.
+    matcher: SequenceMatcher | None = None
 
 
 @dataclass
@@ -62,12 +75,18 @@ class ModelRunner:
         self.model = None
         # On a GPU the step's integer inputs cross in one pinned, non-blocking copy.
         self.staging = StagingBuffer(self.device) if self.device.type == "cuda" else None
+        # Decode steps replayed as CUDA graphs, once the worker has captured them
+        # (services/worker/cuda_graphs.py); None: every step runs the model eagerly.
+        self.decode_graphs = None
         self.sampler = Sampler()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.requests: dict[str, RequestState] = {}
         self.seqs: dict[int, SequenceState] = {}
         # Prompt-step samples of n > 1 requests, by parent seq id, until the children arrive.
         self.fan_out: dict[int, list[int]] = {}
+        # Structured output, set up when the first request that asks for it arrives.
+        self.grammar_compiler = None  # GrammarCompilerPool
+        self.grammar_masker = None  # GrammarMasker
 
     def load_model(self) -> None:
         self.model = load_model(self.model_config, self.config.load_config, self.device,
@@ -80,6 +99,7 @@ class ModelRunner:
             if group.sampling_params is not None:
                 req = RequestState(group.request_id, group.sampling_params, group.seed,
                                    group.prompt_len, group.eos_token_ids)
+                self._prepare_logit_edits(req)
                 self.requests[group.request_id] = req
             assert req is not None, f"request {group.request_id} was never sent with its parameters"
             for sd in group.seq_data:
@@ -119,7 +139,8 @@ class ModelRunner:
         if not rows:
             return out
         input_ids, positions, meta = self._prepare_inputs(rows)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
+        forward = self.model if self.decode_graphs is None else self.decode_graphs
+        hidden = forward(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
 
         # 1) Which hidden rows need logits: the last token of every sequence that samples, and
         #    every position of a prompt chunk whose request asked for prompt logprobs.
@@ -211,6 +232,7 @@ class ModelRunner:
     def _sample(self, rows: list[_Row], hidden: torch.Tensor, out: SamplerOutput) -> None:
         logits = self.model.compute_logits(hidden)  # [num_rows, vocab], the model's dtype
         sampling_rows, owners, logit_index = [], [], []
+        edited = []  # sampling rows whose request edits its logits (usually none)
         for i, row in enumerate(rows):
             req = row.state.request
             params = req.params
@@ -219,6 +241,8 @@ class ModelRunner:
             fan_out = params.n if (row.group.is_prompt and num_out == 0 and params.n > 1) else 1
             penalties = params.uses_penalties
             for j in range(fan_out):
+                if req.edits_logits:
+                    edited.append(len(sampling_rows))
                 sampling_rows.append(SamplingRow(
                     params=params, seed=req.seed,
                     sample_index=row.state.sample_index + j, output_index=num_out,
@@ -228,6 +252,7 @@ class ModelRunner:
                 logit_index.append(i)
         if len(logit_index) != len(rows):
             logits = logits[logit_index]
+        constrained = self._edit_logits(logits, edited, owners) if edited else None
         self._mask_early_stops(logits, sampling_rows, owners)
         tensors = SamplingTensors.from_rows(sampling_rows, logits.shape[-1], logits.device)
         result = self.sampler(logits, tensors)
@@ -255,6 +280,51 @@ class ModelRunner:
             else:
                 out.top_token_ids.append([])
                 out.top_logprobs.append([])
+        if constrained:
+            self.grammar_masker.advance([owners[i].state.matcher for i in constrained],
+                                        [token_ids[i] for i in constrained])
+
+    def _prepare_logit_edits(self, req: RequestState) -> None:
+        """Note what the request does to its logits; start compiling its grammar, if any."""
+        p = req.params
+        req.edits_logits = bool(p.structured_outputs or p.logit_bias or p.allowed_token_ids)
+        if p.structured_outputs is not None:
+            if self.grammar_compiler is None:
+                from services.worker.grammar import GrammarMasker
+                from services.worker.grammar_compiler import GrammarCompilerPool
+                self.grammar_compiler = GrammarCompilerPool(self.model_config)
+                self.grammar_masker = GrammarMasker(self.model_config.vocab_size, self.device)
+            req.grammar = self.grammar_compiler.submit(p.structured_outputs)
+
+    def _edit_logits(self, logits: torch.Tensor, edited: list[int], owners: list[_Row]
+                     ) -> list[int]:
+        """allowed_token_ids, logit_bias and the grammar's mask, in place on the rows listed in
+        `edited`; returns the rows under a grammar."""
+        allowed, biased, constrained = [], [], []
+        for i in edited:
+            req = owners[i].state.request
+            if req.params.allowed_token_ids:
+                allowed.append(i)
+            if req.params.logit_bias:
+                biased.append(i)
+            if req.grammar is not None:
+                constrained.append(i)
+        if allowed:
+            apply_allowed_token_ids(logits, allowed, [owners[i].state.request.params
+                                                      for i in allowed])
+        if biased:
+            apply_logit_bias(logits, biased, [owners[i].state.request.params for i in biased])
+        if constrained:
+            for i in constrained:
+                state = owners[i].state
+                if state.matcher is None:
+                    state.matcher = new_matcher(state.request.grammar,
+                                                state.request.stop_token_ids)
+                feed(state.matcher, state.token_ids[state.request.prompt_len:])
+            self.grammar_masker.mask(logits, constrained,
+                                     [owners[i].state.matcher for i in constrained],
+                                     [owners[i].state.request.stop_token_ids for i in constrained])
+        return constrained
 
     @staticmethod
     def _mask_early_stops(logits: torch.Tensor, rows: list[SamplingRow], owners: list[_Row]) -> None:

@@ -1,5 +1,6 @@
 """Worker: one device's model, KV cache and runner (the seed's Worker)."""
 import gc
+import time
 
 import structlog
 import torch
@@ -7,6 +8,7 @@ import torch
 from proto.messages import ExecuteModelRequest, SamplerOutput
 from shared.config import PagodaConfig, device_for_rank
 from services.worker.cache_engine import CacheEngine
+from services.worker.cuda_graphs import DecodeGraphs, capture_sizes, graphs_apply
 from services.worker.host_memory import keep_freed_memory
 from services.worker.memory_budget import ProfileMemory, num_kv_blocks
 from services.worker.model_runner import ModelRunner
@@ -84,6 +86,27 @@ class Worker:
         log.info("kv cache ready", device_blocks=num_device_blocks, cpu_blocks=num_cpu_blocks,
                  block_size=cache.block_size,
                  attention_backend=self.model_runner.attn_backend.name)
+        self.capture_decode_graphs()
+
+    def capture_decode_graphs(self) -> None:
+        """After the profile and the cache, before serving: decode steps as CUDA graphs (on
+        CUDA with the Triton attention, unless --enforce-eager)."""
+        runner, dc = self.model_runner, self.config.device_config
+        if not graphs_apply(self.device, dc.enforce_eager, runner.attn_backend.name):
+            if self.device.type == "cuda":
+                log.info("decode steps run eagerly", enforce_eager=dc.enforce_eager,
+                         attention_backend=runner.attn_backend.name)
+            return
+        sizes = capture_sizes(self.config.scheduler_config.max_num_seqs)
+        start = time.perf_counter()
+        graphs = DecodeGraphs(runner.model, runner.kv_caches, sizes,
+                              self.config.model_config.max_model_len,
+                              self.config.cache_config.block_size, self.device)
+        graphs.capture()
+        runner.decode_graphs = graphs
+        log.info("decode graphs captured", batch_sizes=f"{sizes[0]}-{sizes[-1]}",
+                 num_graphs=len(sizes), seconds=round(time.perf_counter() - start, 1),
+                 reserved_gib=round(torch.cuda.memory_reserved(self.device) / _GIB, 2))
 
     def free_cache(self) -> None:
         """Drops the KV cache (device and swap) and the runner's sequences, whose K/V it held:
@@ -92,6 +115,7 @@ class Worker:
         CPU a layer's cache is unmapped with it where it has a mapping of its own (host_memory;
         smaller ones share a mapping with other tensors)."""
         runner = self.model_runner
+        runner.decode_graphs = None  # they read the cache being dropped
         runner.kv_caches = None
         runner.seqs.clear()
         runner.requests.clear()
