@@ -47,11 +47,15 @@ def test_the_smoke_mode_runs_every_section_on_the_cpu(tmp_path):
         result = json.load(f)
     rows = result["rows"]
     assert result["meta"]["finished"]
-    assert {r["section"] for r in rows} == {"env", "kernels", "parity", "throughput", "serve"}
+    assert {r["section"] for r in rows} == {"env", "kernels", "parity", "throughput", "graphs",
+                                            "serve"}
     assert not [r for r in rows if r["verdict"] in ("FAILED", "MISMATCH")]
     checks = {r["check"]: r for r in rows}
     for kernel in ("paged_decode_attention", "prefill_attention", "write_kv_cache", "rotary_"):
         assert checks[f"{kernel}: correctness"]["verdict"] == "ok"
     assert checks["serve"]["verdict"] == "skipped"
+    # No graphs on the CPU: both modes run eagerly, so their tokens must be identical.
+    assert checks["greedy tokens, graphs vs --enforce-eager"]["result"].startswith(
+        "2 sequences: 2 identical")
     assert (tmp_path / "gpu_check.md").read_text().count("\n| ") == len(rows) + 1
     assert "| throughput | tiny pagoda / transformers" in done.stdout  # the printed table

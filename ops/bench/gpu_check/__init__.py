@@ -9,6 +9,8 @@ Sections, in order, each catching its own errors (a failed one is a FAILED row, 
   parity      the engine's greedy tokens against transformers on random models  (parity.py)
   throughput  offline throughput at the 1B and 8B shapes against transformers' static
               batching and a roofline                     (throughput.py, roofline.py)
+  graphs      (after the 1B throughput) small-batch decode step time, CUDA graphs against
+              --enforce-eager, and their greedy tokens compared                (graphs.py)
   serve       `pagoda serve` under `pagoda bench serve` on the 1B random model    (serve.py)
 The plan of a run is plan.py, its rows and report report.py, the timing measure.py, the random
 models random_models.py, the arguments, order and watchdog cli.py.

@@ -10,10 +10,11 @@ import threading
 import time
 
 from .env import section_env
+from .graphs import section_graphs
 from .kernel_checks import section_kernels
 from .measure import free_device_memory
 from .parity import section_parity
-from .plan import cpu_plan, cuda_plan
+from .plan import cpu_plan, cuda_plan, serve_model
 from .report import Row, Run, log, table_lines, write_results
 from .serve import section_serve, stop_process
 from .throughput import section_throughput
@@ -34,6 +35,9 @@ def sections(run: Run) -> list:
                "not in --models" if a.models and spec.name.lower() not in a.models else None)
         items.append((f"throughput {spec.name}", why,
                       lambda run, device, spec=spec: section_throughput(run, device, spec)))
+        if spec.name == serve_model(p).name:  # on the model that throughput section saves
+            items.append(("graphs", "--skip-graphs" if a.skip_graphs else None,
+                          section_graphs))
     serve_why = ("--skip-serve" if a.skip_serve else
                  "--device cpu (smoke mode)" if not p.serve else None)
     items.append(("serve", serve_why, section_serve))
@@ -106,7 +110,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="default: cuda when there is one; cpu is the smoke mode")
     parser.add_argument("--quick", action="store_true",
                         help="fewer kernel shapes, parity cases and smaller workloads")
-    for name in ("kernels", "parity", "throughput", "serve"):
+    for name in ("kernels", "parity", "throughput", "graphs", "serve"):
         parser.add_argument(f"--skip-{name}", action="store_true")
     parser.add_argument("--models", nargs="+", type=str.lower, default=None,
                         help="throughput models to run (1b, 8b; default all)")

@@ -7,6 +7,7 @@ DECODE_TARGET = 0.70  # of the copy bandwidth, decode attention at long contexts
 LONG_CONTEXT = 16384  # contexts from here on count as long
 SPEEDUP_TARGET = 5.0  # over transformers' static batching, 8B shape
 ROOFLINE_TARGET = 0.50  # of the roofline, 8B shape
+GRAPHS_TARGET = 1.5  # decode step time, --enforce-eager over CUDA graphs, small batches
 TOP_K = 5  # near-tie allowance of the parity checks
 
 # Llama-3.2-1B and Llama-3.1-8B as published (LlamaConfig kwargs); the weights are random.
@@ -73,6 +74,10 @@ class Plan:
     serve_prompts: int
     serve_input_len: int
     serve_output_len: int
+    # CUDA graphs against --enforce-eager: decode steps at these batch sizes
+    graphs_batches: list
+    graphs_decode_steps: int
+    graphs_input_len: int
     # every LLM of the run gets these
     engine_kwargs: dict = field(default_factory=dict)
     # a section starts only with this many seconds left before the deadline
@@ -104,8 +109,9 @@ def cuda_plan(quick: bool) -> Plan:
         models=[one_b, eight_b], serve=True,
         serve_prompts=64 if quick else 256, serve_input_len=256 if quick else 512,
         serve_output_len=64 if quick else 128,
-        min_left_s={"kernels": 45, "parity": 45, "throughput 1B": 75, "throughput 8B": 150,
-                    "serve": 90})
+        graphs_batches=[1, 4, 16], graphs_decode_steps=32 if quick else 64, graphs_input_len=32,
+        min_left_s={"kernels": 45, "parity": 45, "throughput 1B": 75, "graphs": 50,
+                    "throughput 8B": 150, "serve": 90})
 
 
 def cpu_plan() -> Plan:
@@ -124,6 +130,7 @@ def cpu_plan() -> Plan:
                            max_position_embeddings=512),
         parity_prompt_lens=[5, 23], parity_new_tokens=6,
         models=[tiny], serve=False, serve_prompts=4, serve_input_len=8, serve_output_len=4,
+        graphs_batches=[2], graphs_decode_steps=2, graphs_input_len=8,
         # The Triton kernels in the engine too (interpreted), so the smoke run reaches them.
         engine_kwargs=dict(attention_backend="triton"))
 
