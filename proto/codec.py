@@ -15,6 +15,7 @@ needs no codec change unless it wants a form other than the default:
     X | None                   X or nil
     X | Y                      X or Y, told apart by their msgpack types (str, bin, array, ...)
     dict[str, scalars]         a map of flat values
+    dict[int, float]           [packed int32 keys, packed float64 values] (logit biases)
 
 Packed fields also take 1-d numpy arrays (2-d for lists of lists) when encoding, so a worker can
 send its tensors without going through Python lists; decoding always gives lists.
@@ -146,7 +147,7 @@ class _Packed:
         self.label = label
         self.element = element
         self.itemsize = array(typecode).itemsize
-        self.numpy_dtype = "<" + {"i": "i4", "q": "i8", "f": "f4"}[typecode]
+        self.numpy_dtype = "<" + {"i": "i4", "q": "i8", "f": "f4", "d": "f8"}[typecode]
 
     def accepts(self, value) -> bool:
         return (type(value) is list or type(value) is tuple) and (
@@ -196,6 +197,7 @@ class _Packed:
 INT32_ARRAY = _Packed("i", "int32", int)
 INT64_ARRAY = _Packed("q", "int64", int)
 FLOAT32_ARRAY = _Packed("f", "float32", float)
+FLOAT64_ARRAY = _Packed("d", "float64", float)
 FIXED_INT32 = _FixedInt32()
 assert INT32_ARRAY.itemsize == 4 and INT64_ARRAY.itemsize == 8 and FLOAT32_ARRAY.itemsize == 4
 
@@ -371,6 +373,30 @@ class _FlatMap:
     decode = encode
 
 
+class _IntFloatMap:
+    """dict[int, float] as [packed int32 keys, packed float64 values], e.g. logit biases."""
+    wire_types = (list,)
+
+    def accepts(self, value) -> bool:
+        return type(value) is dict
+
+    def encode(self, value):
+        if type(value) is not dict:
+            raise MalformedMessage(f"expected a dict, got {type(value).__name__}")
+        if not all(type(k) is int for k in value):
+            raise MalformedMessage("expected int keys")
+        return [INT32_ARRAY.encode(list(value)), FLOAT64_ARRAY.encode(
+            [float(v) if type(v) is int else v for v in value.values()])]
+
+    def decode(self, obj):
+        if type(obj) is not list or len(obj) != 2:
+            raise MalformedMessage("expected [keys, values]")
+        keys, values = INT32_ARRAY.decode(obj[0]), FLOAT64_ARRAY.decode(obj[1])
+        if len(keys) != len(values):
+            raise MalformedMessage(f"{len(keys)} keys but {len(values)} values")
+        return dict(zip(keys, values))
+
+
 class _Dataclass:
     """A dataclass as the array of its init fields, in declaration order.
 
@@ -513,6 +539,8 @@ def _kind_for(tp, where: str):
         if typing.get_origin(item) is tuple and typing.get_args(item) == (int, int):
             return _Int32Pairs()
         return _ListOf(_kind_for(item, where))
+    if origin is dict and args == (int, float):
+        return _IntFloatMap()
     if origin is dict and args and args[0] is str:
         value_types = typing.get_args(args[1]) or (args[1],)
         assert all(t in (str, int, float, bool, type(None)) for t in value_types), where

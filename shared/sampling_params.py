@@ -38,6 +38,11 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     # The grammar the output must follow (None: free text).
     structured_outputs: StructuredOutputsParams | None = None
+    # Added to the logits of these token ids before sampling (OpenAI's logit_bias; values are
+    # clamped to [-100, 100]). Token ids are checked against the vocabulary by the engine.
+    logit_bias: dict[int, float] | None = None
+    # Only these token ids may be sampled (vLLM's field).
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self):
         if self.stop is None:
@@ -51,10 +56,18 @@ class SamplingParams:
         elif isinstance(self.stop_token_ids, tuple):
             self.stop_token_ids = list(self.stop_token_ids)
         if isinstance(self.structured_outputs, dict):
-            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:  # an unknown field
+                raise SamplingParamsError("structured_outputs", str(e)) from None
         if isinstance(self.top_k, int) and self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.allowed_token_ids, tuple):
+            self.allowed_token_ids = list(self.allowed_token_ids)
         self.verify()
+        if self.logit_bias is not None:
+            self.logit_bias = {t: float(min(100.0, max(-100.0, b)))
+                               for t, b in self.logit_bias.items()}
 
     def verify(self) -> None:
         """Raise SamplingParamsError naming the first bad field (run at creation; run it again
@@ -109,6 +122,22 @@ class SamplingParams:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 fail("structured_outputs", "must be a StructuredOutputsParams")
             self.structured_outputs.verify()
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                fail("logit_bias", f"must map token ids to numbers, got {self.logit_bias!r}")
+            for token, bias in self.logit_bias.items():
+                if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                    fail("logit_bias", f"keys must be non-negative token ids, got {token!r}")
+                if (isinstance(bias, bool) or not isinstance(bias, (int, float))
+                        or not math.isfinite(bias)):
+                    fail("logit_bias", f"token {token}: the bias must be a finite number, "
+                                       f"got {bias!r}")
+        if self.allowed_token_ids is not None and (
+                not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
+                or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                           for t in self.allowed_token_ids)):
+            fail("allowed_token_ids", f"must be a non-empty list of non-negative token ids, "
+                                      f"got {self.allowed_token_ids!r}")
         if self.n > 1 and self.is_greedy:
             # n greedy samples would be n copies of one completion.
             fail("n", "n > 1 needs temperature > 0 (greedy sampling gives identical completions)")
@@ -116,6 +145,16 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    def verify_token_ids(self, vocab_size: int) -> None:
+        """Raise SamplingParamsError if logit_bias or allowed_token_ids names an id outside
+        [0, vocab_size) (the engine knows the vocabulary; `verify` does not)."""
+        for name, ids in (("logit_bias", self.logit_bias or ()),
+                          ("allowed_token_ids", self.allowed_token_ids or ())):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise SamplingParamsError(name, f"token id {bad[0]} is out of the vocabulary "
+                                                f"[0, {vocab_size})")
 
     @property
     def uses_penalties(self) -> bool:

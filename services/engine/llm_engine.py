@@ -10,6 +10,7 @@ from proto.messages import ExecuteModelRequest, SamplerOutput
 from proto.requests import ResumedOutput
 from shared.config import EngineArgs, PagodaConfig
 from shared.sampling_params import SamplingParams
+from shared.structured_output import check_supported
 from shared.tokenizer import eos_token_ids, get_tokenizer
 from services.detokenizer.incremental import IncrementalDetokenizer
 from services.engine.executor import Executor
@@ -90,6 +91,9 @@ class LLMEngine:
             raise TypeError(f"sampling_params must be a SamplingParams, "
                             f"got {type(sampling_params).__name__}")
         sampling_params.verify()  # a field may have been changed since it was created
+        sampling_params.verify_token_ids(self.model_config.vocab_size)
+        if sampling_params.structured_outputs is not None:
+            check_supported(sampling_params.structured_outputs)
         sched = self.config.scheduler_config
         if sampling_params.n > min(sched.max_num_seqs, sched.max_num_batched_tokens):
             raise ValueError(f"n={sampling_params.n} samples never fit in one step (max_num_seqs "

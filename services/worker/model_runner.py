@@ -256,10 +256,7 @@ class ModelRunner:
         self._mask_early_stops(logits, sampling_rows, owners)
         tensors = SamplingTensors.from_rows(sampling_rows, logits.shape[-1], logits.device)
         result = self.sampler(logits, tensors)
-        token_ids = result.token_ids.tolist()
-        logprobs = result.logprobs.tolist()
-        top_ids = result.top_token_ids.tolist() if result.top_token_ids is not None else None
-        top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
+        token_ids, logprobs, top_ids, top_lps = _to_host(result)
         seen = set()
         for i, row in enumerate(owners):
             seq_id = row.seq.seq_id
@@ -380,3 +377,19 @@ class ModelRunner:
         # normaliser and the top candidates it sorts instead of the whole vocabulary.
         floats = logits.float()
         floats.log_softmax(-1).topk(min(1024, floats.shape[-1]), dim=-1)
+
+
+def _to_host(result) -> tuple[list, list, list | None, list | None]:
+    """The sampler's token ids, logprobs and top alternatives (None where not asked) as lists.
+    On CUDA they cross into page-locked host memory in non-blocking copies behind one event,
+    which is waited on once, here, where the output is built (a `.tolist()` per tensor would
+    be a blocking copy each)."""
+    tensors = (result.token_ids, result.logprobs, result.top_token_ids, result.top_logprobs)
+    if result.token_ids.device.type == "cuda":
+        tensors = tuple(None if t is None else
+                        torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(
+                            t, non_blocking=True) for t in tensors)
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()
+    return tuple(None if t is None else t.tolist() for t in tensors)
