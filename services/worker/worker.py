@@ -1,5 +1,6 @@
 """Worker: one device's model, KV cache and runner (the seed's Worker)."""
 import gc
+import os
 import time
 
 import structlog
@@ -18,6 +19,19 @@ log = structlog.get_logger("worker")
 _GIB = 1 << 30
 
 
+def step_memory_error(step_id: int, allocated_at_start: int, step_peak: int,
+                      profile_transient: int) -> str | None:
+    """PAGODA_DEBUG_MEMORY's check of one step: what it allocated above what was held when it
+    started (weights, KV cache, graphs) may not exceed what the profile run allocated above the
+    weights, which the KV budget left room for. -> the error, or None."""
+    over = step_peak - allocated_at_start
+    if over <= profile_transient:
+        return None
+    return (f"step {step_id} peaked {over / _GIB:.3f} GiB above its start, more than the "
+            f"profile run's {profile_transient / _GIB:.3f} GiB that the KV cache budget left "
+            f"room for")
+
+
 class Worker:
     def __init__(self, config: PagodaConfig, rank: int = 0):
         self.config = config
@@ -31,6 +45,9 @@ class Worker:
         self.free_at_start: int | None = None  # device bytes free before the model loaded
         self.model_runner = ModelRunner(config)
         self.cache_engine: CacheEngine | None = None
+        # PAGODA_DEBUG_MEMORY=1 (CUDA): every step's peak checked against the profile's.
+        self.debug_memory = os.environ.get("PAGODA_DEBUG_MEMORY") == "1"
+        self.profile_transient: int | None = None  # the profile's peak above the weights
 
     def init_device(self) -> None:
         torch.manual_seed(self.config.model_config.seed)
@@ -63,6 +80,7 @@ class Worker:
         # The profile's peak holds the weights too (allocated all along; free_at_start was
         # before them), but not the transients of loading them.
         torch.cuda.reset_peak_memory_stats(self.device)
+        held_before = torch.cuda.memory_allocated(self.device)
         self.model_runner.profile_run(sched.max_num_batched_tokens, sched.max_num_seqs)
         torch.cuda.synchronize(self.device)
         free_after, _ = torch.cuda.mem_get_info(self.device)
@@ -70,6 +88,7 @@ class Worker:
             free_at_start=self.free_at_start, free_after=free_after,
             torch_peak=torch.cuda.max_memory_allocated(self.device),
             torch_reserved=torch.cuda.memory_reserved(self.device))
+        self.profile_transient = profile.torch_peak - held_before
         torch.cuda.empty_cache()
         num_blocks = num_kv_blocks(profile, cache.gpu_memory_utilization, block_bytes)
         log.info("memory profiled", free_at_start_gib=round(profile.free_at_start / _GIB, 2),
@@ -133,4 +152,14 @@ class Worker:
             self.cache_engine.swap_in(request.blocks_to_swap_in)
         if request.blocks_to_copy:
             self.cache_engine.copy(request.blocks_to_copy)
-        return self.model_runner.execute_model(request)
+        if not (self.debug_memory and self.device.type == "cuda"
+                and self.profile_transient is not None):
+            return self.model_runner.execute_model(request)
+        start = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        out = self.model_runner.execute_model(request)
+        error = step_memory_error(request.step_id, start,
+                                  torch.cuda.max_memory_allocated(self.device),
+                                  self.profile_transient)
+        assert error is None, error
+        return out
