@@ -167,7 +167,7 @@ class LocalStack:
                  verbose: bool = False, keep_logs: bool = False,
                  max_restarts_per_minute: int = 3, stop_grace_s: float = 10.0,
                  tcp_host: str | None = None, curve_keys_dir: str | None = None,
-                 hang_timeout_s: float = 60.0):
+                 hang_timeout_s: float = 60.0, served_model_names: list[str] | None = None):
         """`env` is added to every process's environment (after the compose file's).
         `verbose` echoes every process's log lines to stdout with a `[service-i]` prefix.
         `tcp_host`: the engine binds tcp ports of this host rather than ipc files.
@@ -175,7 +175,9 @@ class LocalStack:
         a bad directory raises CurveKeysError here, before anything starts.
         `hang_timeout_s`: a process that answers no probe for this long (stopped, or stuck
         with its control thread), or answers "stuck" for this long (a worker inside one step
-        for longer than the step timeout), is killed, and so restarted; 0 turns that off."""
+        for longer than the step timeout), is killed, and so restarted; 0 turns that off.
+        `served_model_names`: the gateway's --served-model-name (default: the compose file's
+        PAGODA_SERVED_MODEL_NAME, else the model's name)."""
         if tokenizers < 1 or detokenizers < 1:
             raise ValueError("a stack needs at least one tokenizer and one detokenizer")
         self.compose_file = compose_file or default_compose_file()
@@ -192,6 +194,7 @@ class LocalStack:
         self.stack_config.curve_keys_dir = os.path.abspath(keys_dir) if keys_dir else ""
         self.curve: CurveKeys | None = self.stack_config.curve  # for the launcher's own probes
         self.host, self.port, self.gateway, self.api_key = host, port, gateway, api_key
+        self.served_model_names = list(served_model_names or [])
         self.gateway_url = f"http://{host}:{port}" if gateway else None
         self.extra_env = dict(env or {})
         self.verbose = verbose
@@ -381,6 +384,8 @@ class LocalStack:
             args += ["--host", self.host, "--port", str(self.port)]
             if self.api_key:
                 args += ["--api-key", self.api_key]
+            if self.served_model_names:
+                args += ["--served-model-name", *self.served_model_names]
         env = {k: v for k, v in os.environ.items() if k not in _LOCAL_ENV}
         env.update({k: v for k, v in spec.environment.items() if k not in _LOCAL_ENV})
         env.update(self.stack_config.to_env())

@@ -16,6 +16,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="the gateway's HTTP host")
     parser.add_argument("--port", type=int, default=8000, help="the gateway's HTTP port")
     parser.add_argument("--api-key", default=None, help="require this bearer token on HTTP")
+    parser.add_argument("--served-model-name", nargs="+", default=None,
+                        help="names requests may use for the model; the first is reported")
     parser.add_argument("--no-gateway", dest="gateway", action="store_false",
                         help="no HTTP: the ZeroMQ stack only (for AsyncEngineClient)")
     parser.add_argument("--run-dir", default=None,
@@ -60,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
                            port=args.port, gateway=args.gateway, api_key=args.api_key,
                            verbose=args.verbose, keep_logs=args.keep_logs,
                            max_restarts_per_minute=args.max_restarts,
-                           curve_keys_dir=args.curve_keys_dir, hang_timeout_s=args.hang_timeout)
+                           curve_keys_dir=args.curve_keys_dir, hang_timeout_s=args.hang_timeout,
+                           served_model_names=args.served_model_name)
     except CurveKeysError as e:
         print(f"pagoda: {e}", flush=True)
         return 1

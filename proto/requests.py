@@ -49,6 +49,15 @@ class ResumedOutput:
 
 
 @dataclass
+class PromptOptions:
+    """What a request asks of its prompt beyond the text (vLLM's request fields)."""
+    # Keep only the prompt's last k tokens (-1: the last max_model_len); None keeps all.
+    truncate_prompt_tokens: int | None = None
+    # The client wants the prompt's token ids back with the first output.
+    return_prompt_token_ids: bool = False
+
+
+@dataclass
 class GenerateRequest:
     """gateway → tokenizer: a request as the client gave it."""
     request_id: str
@@ -65,10 +74,7 @@ class GenerateRequest:
     # Sent again after an engine restart: the output the client has already streamed.
     resumed: list[ResumedOutput] = field(default_factory=list)
     chat_options: ChatOptions | None = None  # chat prompts only (None: the defaults)
-    # Keep only the prompt's last k tokens (-1: the last max_model_len); None keeps all.
-    truncate_prompt_tokens: int | None = None
-    # The client wants the prompt's token ids back with the first output.
-    return_prompt_token_ids: bool = False
+    prompt_options: PromptOptions | None = None  # None: the defaults
 
 
 @dataclass

@@ -93,19 +93,43 @@ class Detokenizer:
                 tsd.top_token_texts = [[self._token_text(t) for t in x] for x in sd.top_token_ids]
                 tsd.top_logprobs = [list(x) for x in sd.top_logprobs]
             out_seqs.append(tsd)
+        prompt = delta.prompt
+        if prompt is not None and prompt.logprobs:
+            prompt.token_texts = [self._token_text(t) for t in prompt.token_ids]
+            prompt.top_token_texts = [[self._token_text(t) for t in x]
+                                      for x in prompt.top_token_ids]
         usage = Usage(req.num_prompt_tokens, sum(s.num_output_tokens for s in req.seqs.values()))
         done = len(req.seqs) >= params.n and all(s.finished for s in req.seqs.values())
         tell_engine = False
         if done:
             del self.requests[delta.request_id]
             tell_engine = any(s.stopped_by_string for s in req.seqs.values())
-        return RequestTextDelta(req.request_id, out_seqs, usage), tell_engine
+        return RequestTextDelta(req.request_id, out_seqs, usage, prompt,
+                                delta.queue_time_s), tell_engine
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
+
+    def end_aborted(self, delta: RequestTokenDelta) -> RequestTextDelta | None:
+        """The last delta of an aborted request: its state is dropped and its last tokens are
+        not decoded (its client left, or asked for no more); the client gets only the finish."""
+        req = self.requests.pop(delta.request_id, None)
+        if req is None:
+            return None
+        seqs = []
+        for sd in delta.sequences:
+            st = req.seqs.get(sd.index)
+            if st is not None and st.finished:
+                continue
+            seqs.append(SequenceTextDelta(
+                sd.index, "", [], finish_reason=sd.finish_reason, stop_reason=sd.stop_reason,
+                text_offset=st.text_len if st else 0,
+                token_offset=st.num_output_tokens if st else 0))
+        usage = Usage(req.num_prompt_tokens, sum(s.num_output_tokens for s in req.seqs.values()))
+        return RequestTextDelta(req.request_id, seqs, usage)
 
     def forget_idle(self, idle_s: float) -> int:
         """Drop requests without a delta for `idle_s` (moved to another detokenizer, or ended

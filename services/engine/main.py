@@ -43,9 +43,11 @@ import zmq
 from proto.codec import CodecError, decode, encode
 from proto.control import Register
 from proto.requests import (AbortRequest, EngineRequest, ErrorResponse, FinishRequest,
-                            RequestAccepted, RequestTokenDelta, SequenceTokenDelta, TokenDeltas)
+                            PromptDelta, RequestAccepted, RequestTokenDelta, SequenceTokenDelta,
+                            TokenDeltas)
 from shared.config import EngineArgs
 from shared.logging import configure, get_logger
+from shared.recent_ids import RecentIds
 from shared.sockets import ControlServer, PushRoutes, bind, make_socket, unlink_ipc
 from shared.stack_config import StackConfig
 from services.engine.executor.zmq_executor import WorkerCallError, WorkerLost, ZmqExecutor
@@ -55,6 +57,10 @@ log = get_logger("engine")
 
 _DETOK_CONTEXT = 5  # prompt tokens the detokenizer decodes before the first output token
 _ENDED_REMEMBERED = 65536  # ended requests whose late copies are recognised and ignored
+# Aborts of requests not here yet (still at a tokenizer), and lost gateways: a request that
+# arrives after either is dropped. Kept longer than a request waits in a tokenizer's queue.
+_EARLY_ABORT_S = 120.0
+_EARLY_ABORTS_REMEMBERED = 65536
 _PEER_CHECK_S = 0.25
 _MAX_SETUP_ATTEMPTS = 3  # KV cache set-ups that may fail for the same worker processes
 _SETUP_RETRY_S = 1.0
@@ -100,6 +106,9 @@ class EngineService:
         # (request id, arrival time) of requests that ended: a late copy (a client resent it
         # while a slow tokenizer still had the first) is not run again.
         self.ended: OrderedDict[tuple[str, float], None] = OrderedDict()
+        self.early_aborts = RecentIds(_EARLY_ABORT_S, _EARLY_ABORTS_REMEMBERED)
+        self.lost_gateways = RecentIds(_EARLY_ABORT_S, 1024)
+        self.dropped_on_arrival = 0  # requests whose client had left before they came
         # Requests whose output waits for a live detokenizer (theirs died, none is left).
         self.undelivered: dict[str, object] = {}
         # Finished requests' last deltas, kept a while by detokenizer: if that one dies with
@@ -144,6 +153,7 @@ class EngineService:
                            free_blocks=self.engine.scheduler.block_manager
                            .get_num_free_device_blocks(),
                            prefix_cache_hit_rate=round(s.prefix_cache_hit_rate, 4),
+                           **self._prefix_cache_tokens(),
                            steps=s.num_steps, prompt_tokens=s.total_prompt_tokens,
                            generation_tokens=s.total_generation_tokens,
                            preemptions=sum(s.num_preemptions.values()),
@@ -151,6 +161,7 @@ class EngineService:
                            recovering=not ready, worker_losses=self.worker_losses,
                            detokenizer_losses=self.detokenizer_losses,
                            gateways=self._live("gateway"), gateway_losses=self.gateway_losses,
+                           dropped_on_arrival=self.dropped_on_arrival,
                            last_step_bytes=self.step_bytes[-1] if self.step_bytes else 0)
             stalled_s = self._stalled_s()
             if self.status == "ok" and stalled_s > self.stack.step_timeout_s:
@@ -158,6 +169,14 @@ class EngineService:
                 details["stalled_s"] = round(stalled_s, 1)
                 return "stalled", details
         return self.status, details
+
+    def _prefix_cache_tokens(self) -> dict[str, int]:
+        """Prompt tokens looked up in the prefix cache since start, and those found (vLLM's
+        prefix_cache_queries / prefix_cache_hits count tokens; the block manager, blocks)."""
+        bm = self.engine.scheduler.block_manager
+        size = self.engine.config.cache_config.block_size
+        return {"prefix_cache_queries": bm.num_queried_blocks * size,
+                "prefix_cache_hits": bm.num_hit_blocks * size}
 
     def _stalled_s(self) -> float:
         """How long requests have waited without any step completing (0 when none waits)."""
@@ -263,13 +282,19 @@ class EngineService:
             self._add_request(msg)
         elif isinstance(msg, (AbortRequest, FinishRequest)):
             # An abort's detokenizer holds the request's state until it sees the request end.
-            self._end_requests(msg.request_ids, msg.reason,
-                               tell_detokenizer=isinstance(msg, AbortRequest))
+            ended = self._end_requests(msg.request_ids, msg.reason,
+                                       tell_detokenizer=isinstance(msg, AbortRequest))
+            if isinstance(msg, AbortRequest) and len(ended) < len(msg.request_ids):
+                # Some are not here (yet): the abort overtook them at a tokenizer.
+                found = {g.request_id for g in ended}
+                self.early_aborts.add([r for r in msg.request_ids if r not in found])
         elif isinstance(msg, Register):
             key = identity if msg.service == "detokenizer" else msg.instance_id
             if msg.service in self.peers and key is not None:
                 if key not in self.peers[msg.service]:
                     log.info("peer registered", service=msg.service, instance=msg.instance_id)
+                    if msg.service == "gateway":
+                        self.lost_gateways.discard(key)  # it was only late, not dead
                 self.peers[msg.service][key] = time.monotonic()
         else:
             log.warning("unexpected message", type=type(msg).__name__)
@@ -291,6 +316,11 @@ class EngineService:
 
     def _add_request(self, req: EngineRequest) -> None:
         rlog = log.bind(request_id=req.request_id)
+        if req.request_id in self.early_aborts or req.gateway_id in self.lost_gateways:
+            # Its client left while it waited upstream: nobody reads its output.
+            self.dropped_on_arrival += 1
+            rlog.info("request dropped on arrival: its client had left")
+            return
         if (req.request_id, req.arrival_time) in self.ended:
             rlog.info("a late copy of an ended request ignored")
             return
@@ -316,6 +346,7 @@ class EngineService:
             rlog.warning("request refused", error=str(e))
             self.routes.send(req.gateway_id, encode(ErrorResponse(req.request_id, 400, str(e))))
             return
+        group.return_prompt_token_ids = req.return_prompt_token_ids
         self.gateway_of[req.request_id] = req.gateway_id
         self.acks.setdefault(req.gateway_id, []).append(req.request_id)
         rlog.debug("request added", prompt_tokens=len(req.prompt_token_ids))
@@ -353,6 +384,7 @@ class EngineService:
         aborted, which frees their blocks. (A client that never sent a heartbeat is never
         taken for dead.)"""
         del self.peers["gateway"][gateway]
+        self.lost_gateways.add(gateway)  # its requests still upstream are dropped as they come
         self.gateway_losses += 1
         request_ids = [r for r, g in self.gateway_of.items() if g == gateway]
         log.warning("gateway lost; aborting its requests", gateway=gateway, reason=reason,
@@ -515,10 +547,12 @@ class EngineService:
             seq.num_emitted += len(new)
             seqs.append(delta)
         group.header_sent = True
+        if not first:
+            return RequestTokenDelta(group.request_id, gateway, group.prompt_len, seqs)
         return RequestTokenDelta(
-            group.request_id, gateway, group.prompt_len, seqs,
-            sampling_params=params if first else None,
-            prompt_tail_token_ids=group.prompt_token_ids[-_DETOK_CONTEXT:] if first else [])
+            group.request_id, gateway, group.prompt_len, seqs, sampling_params=params,
+            prompt_tail_token_ids=group.prompt_token_ids[-_DETOK_CONTEXT:],
+            prompt=_prompt_delta(group), queue_time_s=group.metrics.time_in_queue)
 
     def _detokenizer_for(self, request_id: str) -> bytes | None:
         detok = self.detok_of.get(request_id)
@@ -547,3 +581,17 @@ class EngineService:
         self.ctx.destroy(linger=0)
         unlink_ipc(self.stack.request_input, self.stack.tokenizer_input, self.stack.engine_input,
                    self.stack.worker_addr, self.stack.detokenizer_addr)
+
+
+def _prompt_delta(group) -> PromptDelta | None:
+    """The prompt's token ids and logprobs for a request's header, when it asked for them."""
+    if not group.return_prompt_token_ids and group.prompt_logprobs is None:
+        return None
+    prompt = group.prompt_token_ids
+    delta = PromptDelta(list(prompt))
+    for pos, entry in enumerate(group.prompt_logprobs or []):
+        if entry is not None:  # position 0 has none
+            delta.logprobs.append(entry[prompt[pos]])
+            delta.top_token_ids.append(list(entry))
+            delta.top_logprobs.append(list(entry.values()))
+    return delta

@@ -36,3 +36,8 @@ class RequestOutput:
     # Streaming clients: token counts so far (prompt_token_ids is not sent back over the wire).
     num_prompt_tokens: int | None = None
     num_output_tokens: int | None = None
+    # Streaming clients, with the first output: the text of each token in `prompt_logprobs`,
+    # {token id: text} (for the first position, its token's only), and the request's time from
+    # arrival to its first schedule.
+    prompt_logprob_texts: list[dict[int, str] | None] | None = None
+    queue_time_s: float | None = None

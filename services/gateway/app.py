@@ -3,6 +3,7 @@
 `create_app(client, settings)`; the caller owns the client (and closes it after the server).
 """
 import asyncio
+import importlib.metadata
 import secrets
 import time
 import uuid
@@ -16,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from services.gateway.chat_tools import ChatSettings
 from services.gateway.client import EngineRequestError
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openai_serving import (APIError, ChatServing, CompletionServing,
@@ -23,6 +25,7 @@ from services.gateway.openai_serving import (APIError, ChatServing, CompletionSe
 from services.gateway.schemas import (ChatCompletionRequest, CompletionRequest, ModelCard,
                                       ModelList)
 from services.gateway.stack_health import StackHealth
+from services.gateway.tokenize_endpoints import GatewayTokenizer, add_tokenize_routes
 from shared.logging import get_logger
 
 log = get_logger("gateway")
@@ -30,13 +33,19 @@ log = get_logger("gateway")
 
 @dataclass
 class GatewaySettings:
-    model_name: str
+    model_name: str  # the name responses report
     max_model_len: int | None = None
+    model_aliases: tuple[str, ...] = ()  # other names requests may use (--served-model-name)
+    model_root: str | None = None  # what the names serve (the model's path), for model cards
+    chat_template: str | None = None  # the tokenizers' --chat-template text, for /tokenize
     api_key: str | None = None  # when set, /v1/* needs `Authorization: Bearer <key>`
     max_pending_requests: int = 512  # generation requests in flight here; past it, 429
     health_ttl_s: float = 1.0  # how long a probe of the engine's health is reused
-    tokenizer: str | None = None  # loaded on first use, only to echo token-id prompts
+    tokenizer: str | None = None  # loaded on first use: echo of token-id prompts, /tokenize
     disconnect_poll_s: float = 0.25
+    # How chat outputs are read (--tool-call-parser, --reasoning-parser); None: not at all.
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
 
 class PendingRequests:
@@ -76,6 +85,14 @@ class PromptDecoder:
             from shared.tokenizer import get_tokenizer
             self._tokenizer = await asyncio.to_thread(get_tokenizer, self.tokenizer_path)
         return self._tokenizer.decode(token_ids)
+
+
+def pagoda_version() -> str:
+    try:
+        return importlib.metadata.version("pagoda")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout, not installed
+        import pagoda
+        return pagoda.__version__
 
 
 def _json_error(status: int, message: str, param: str | None = None, code: str | None = None,
@@ -158,7 +175,14 @@ def create_app(client, settings: GatewaySettings) -> FastAPI:
     decoder = PromptDecoder(settings.tokenizer)
     completions = CompletionServing(client, settings.model_name, metrics, decoder,
                                     settings.disconnect_poll_s)
-    chat = ChatServing(client, settings.model_name, metrics, decoder, settings.disconnect_poll_s)
+    chat = ChatServing(client, settings.model_name, metrics, decoder, settings.disconnect_poll_s,
+                       chat_settings=ChatSettings(settings.tool_call_parser,
+                                                  settings.reasoning_parser))
+    model_names = [settings.model_name, *settings.model_aliases]
+    tokenizer = GatewayTokenizer(settings.tokenizer, settings.chat_template)
+    for serving in (completions, chat):
+        serving.model_names = set(model_names)
+    completions.fim_tokens = tokenizer.fim_tokens
 
     app = FastAPI(title="pagoda", description="OpenAI-compatible API of a pagoda stack")
     app.state.metrics, app.state.health, app.state.pending = metrics, health, pending
@@ -217,6 +241,10 @@ def create_app(client, settings: GatewaySettings) -> FastAPI:
     async def serve(serving, body, request: Request) -> Response:
         release = await admit(request)
         try:
+            if await request.is_disconnected():
+                # It left while queued here (a busy gateway): nothing goes to the stack.
+                release()
+                return Response(status_code=499)
             return await serving.create(body, request, request.state.request_id, release)
         except BaseException:
             release()
@@ -230,11 +258,28 @@ def create_app(client, settings: GatewaySettings) -> FastAPI:
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         return await serve(chat, body, request)
 
+    add_tokenize_routes(app, tokenizer, settings.max_model_len, completions.check_model,
+                        lambda status, message, param: APIError(status, message, param))
+
     # -- information -----------------------------------------------------------------------------
+    def model_card(name: str) -> ModelCard:
+        return ModelCard(id=name, root=settings.model_root or settings.model_name,
+                         max_model_len=settings.max_model_len)
+
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
-        card = ModelCard(id=settings.model_name, max_model_len=settings.max_model_len)
-        return JSONResponse(ModelList(data=[card]).model_dump())
+        return JSONResponse(ModelList(data=[model_card(n) for n in model_names]).model_dump())
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> JSONResponse:
+        if model_id not in model_names:
+            raise APIError(404, f"The model `{model_id}` does not exist.", param="model",
+                           code="model_not_found")
+        return JSONResponse(model_card(model_id).model_dump())
+
+    @app.get("/version")
+    async def get_version() -> JSONResponse:
+        return JSONResponse({"version": pagoda_version()})
 
     @app.get("/health")
     async def get_health() -> JSONResponse:

@@ -37,8 +37,8 @@ import zmq.asyncio
 
 from proto.codec import CodecError, decode, encode
 from proto.requests import (AbortRequest, ChatMessage, ChatPrompt, ErrorResponse,
-                            GenerateRequest, RequestAccepted, RequestTextDelta, ResumedOutput,
-                            SequenceTextDelta, TextDeltas)
+                            GenerateRequest, PromptDelta, PromptOptions, RequestAccepted,
+                            RequestTextDelta, ResumedOutput, SequenceTextDelta, TextDeltas)
 from shared.logging import get_logger
 from shared.sampling_params import SamplingParams
 from shared.sockets import (bind, bind_random_port, connect, make_socket, probe_health,
@@ -72,6 +72,8 @@ class _Stream:
     params: SamplingParams
     arrival_time: float
     cache_salt: str | None = None
+    prompt_options: PromptOptions | None = None
+    header_seen: bool = False  # the caller has had the first delta's extras (prompt, timing)
     num_chars: dict[int, int] = field(default_factory=dict)  # by sample index
     token_ids: dict[int, list[int]] = field(default_factory=dict)  # what the caller has
     done: set[int] = field(default_factory=set)  # sample indices that finished
@@ -150,9 +152,13 @@ class AsyncEngineClient:
     async def generate(self, prompt: str | list[int] | list[dict] | list[ChatMessage],
                        sampling_params: SamplingParams | None = None,
                        request_id: str | None = None,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None,
+                       prompt_options: PromptOptions | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Yields RequestOutputs whose completions hold the *new* text and tokens of each step;
-        the last one has `finished=True`. Leaving the loop early aborts the request."""
+        the last one has `finished=True`. Leaving the loop early aborts the request. The first
+        output carries the prompt's token ids when `prompt_options` asks for them, and its
+        logprobs when the sampling parameters do."""
         self._ensure_tasks()
         params = sampling_params or SamplingParams()
         if params.seed is None:
@@ -171,9 +177,10 @@ class AsyncEngineClient:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             prompt = [ChatMessage(m["role"], m["content"]) for m in prompt]
         stream = _Stream(asyncio.Queue(), self.engine_epoch, prompt, params, time.time(),
-                         cache_salt)
+                         cache_salt, prompt_options)
         self.streams[request_id] = stream
         finished = False
+        accepted = False  # by the engine; until then the request may wait at a tokenizer
         try:
             try:
                 frame = self._frame(request_id, stream)
@@ -190,7 +197,10 @@ class AsyncEngineClient:
                 timeout = self.output_timeout_s if accepted else min(self.ack_timeout_s,
                                                                      self.output_timeout_s)
                 try:
-                    item = await asyncio.wait_for(stream.queue.get(), timeout)
+                    # Not `wait_for`: on Python 3.11 it can swallow a cancellation that comes
+                    # as the item does, and a request whose client left then runs on.
+                    async with asyncio.timeout(timeout):
+                        item = await stream.queue.get()
                 except asyncio.TimeoutError:
                     if not self.engine_ok and not self.engine_given_up:
                         continue  # the watchdog resubmits it or, in the end, fails it
@@ -255,12 +265,20 @@ class AsyncEngineClient:
             self.streams.pop(request_id, None)
             if not finished and not self.closed:
                 with contextlib.suppress(Exception):
-                    await self.abort(request_id)
+                    await self.abort(request_id, upstream=not accepted)
 
-    async def abort(self, request_id: str | list[str], reason: str = "client gone") -> None:
+    async def abort(self, request_id: str | list[str], reason: str = "client gone",
+                    upstream: bool = True) -> None:
+        """Tell the engine to drop these requests. The engine remembers an abort that
+        overtook its request, and drops the request when it comes. `upstream`: send it to
+        the tokenizers' queue too, where one that still holds the request drops it untokenized
+        (pointless once the engine has acknowledged it)."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        frame = encode(AbortRequest(ids, reason))
         # Best effort: an engine that is down has nothing to abort.
-        await self._send_within(self.engine, encode(AbortRequest(ids, reason)), 0.5)
+        await self._send_within(self.engine, frame, 0.5)
+        if upstream:
+            await self._send_within(self.requests, frame, 0.1)
 
     async def health(self, timeout_s: float = 1.0):
         """The engine's HealthResponse (with its counts of live peers), or None if it is down."""
@@ -295,7 +313,7 @@ class AsyncEngineClient:
             prompt, chat_options = prompt.messages, prompt.options
         return encode(GenerateRequest(request_id, self.gateway_id, prompt, stream.params,
                                       stream.arrival_time, stream.cache_salt, stream.resumed(),
-                                      chat_options))
+                                      chat_options, stream.prompt_options))
 
     async def _wait_for_engine(self, request_id: str) -> None:
         """Returns once the engine answers ok; 503 once it has been away too long."""
@@ -306,7 +324,8 @@ class AsyncEngineClient:
                     503, f"the engine has not been available for {self.engine_away_s():.0f} s; "
                          f"retry later", request_id)
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._engine_back.wait(), left)
+                async with asyncio.timeout(left):  # not `wait_for` (see `generate`)
+                    await self._engine_back.wait()
 
     async def _submit(self, frame: bytes, request_id: str) -> None:
         """Send to the engine's front door. Connecting takes a moment after start, and the
@@ -479,9 +498,37 @@ class AsyncEngineClient:
                 stream.done.add(s.index)
         if delta.sequences and not completions:
             return None
-        return RequestOutput(
+        out = RequestOutput(
             request_id=delta.request_id, prompt=None, prompt_token_ids=[], prompt_logprobs=None,
             outputs=completions, finished=len(stream.done) >= n,
             num_prompt_tokens=delta.usage.prompt_tokens,
             num_output_tokens=delta.usage.completion_tokens)
+        if not stream.header_seen and (delta.prompt is not None
+                                       or delta.queue_time_s is not None):
+            # Once: a header sent again (a detokenizer or engine took the request over)
+            # carries the prompt's part again.
+            stream.header_seen = True
+            out.queue_time_s = delta.queue_time_s
+            if delta.prompt is not None:
+                _add_prompt(out, delta.prompt)
+        return out
+
+
+def _add_prompt(out: RequestOutput, prompt: PromptDelta) -> None:
+    """The prompt's token ids, and its logprobs as RequestOutput holds them: None for the first
+    token, then {token id: logprob} with the top alternatives."""
+    out.prompt_token_ids = list(prompt.token_ids)
+    if not prompt.logprobs:
+        return
+    # The first token has no logprob; its text is kept, for echo.
+    out.prompt_logprobs = [None]
+    out.prompt_logprob_texts = [{prompt.token_ids[0]: prompt.token_texts[0]}]
+    for k in range(len(prompt.logprobs)):
+        tok = prompt.token_ids[k + 1]
+        lp = dict(zip(prompt.top_token_ids[k], prompt.top_logprobs[k]))
+        lp[tok] = prompt.logprobs[k]
+        tx = dict(zip(prompt.top_token_ids[k], prompt.top_token_texts[k]))
+        tx[tok] = prompt.token_texts[k + 1]
+        out.prompt_logprobs.append(lp)
+        out.prompt_logprob_texts.append(tx)
 

@@ -44,8 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "server is closing at that moment")
     g.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` on /v1/* (default: $PAGODA_API_KEY)")
-    g.add_argument("--served-model-name", default=None,
-                   help="the name /v1/models shows and requests use (default: the model's)")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the names requests may use in `model` (any of them); the first is the "
+                        "one responses report (default: $PAGODA_SERVED_MODEL_NAME, "
+                        "space-separated, else the model's name)")
     g.add_argument("--max-pending-requests", type=int, default=512,
                    help="generation requests in flight in this gateway; past it, 429 at once")
     g.add_argument("--request-timeout", type=float, default=60.0,
@@ -55,6 +57,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "and go on where they were")
     EngineArgs.add_cli_args(parser)
     StackConfig.add_cli_args(parser)
+
+
+def served_model_names(flag: list[str] | None) -> list[str]:
+    """--served-model-name's names, else $PAGODA_SERVED_MODEL_NAME's (how compose and
+    `pagoda serve` set them), without repeats."""
+    names = flag or os.environ.get("PAGODA_SERVED_MODEL_NAME", "").split()
+    return list(dict.fromkeys(names))
+
+
+def _max_model_len(args: argparse.Namespace) -> int | None:
+    """The context length the engine will use (its flag, else the model's), for model cards
+    and /tokenize."""
+    try:
+        return EngineArgs.from_cli_args(args).create_engine_config().model_config.max_model_len
+    except Exception as e:  # the engine reports a bad configuration itself
+        log.warning("the model's context length is unknown", error=str(e))
+        return args.max_model_len
+
+
+def _chat_template(stack: StackConfig) -> str | None:
+    """The tokenizers' --chat-template text, so /tokenize renders chats as they do."""
+    from shared.chat_template import load_chat_template
+    try:
+        return load_chat_template(stack.chat_template)
+    except (OSError, ValueError) as e:  # the tokenizers refuse to start with it
+        log.warning("the chat template cannot be loaded", error=str(e))
+        return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -71,12 +100,21 @@ def run(args: argparse.Namespace) -> int:
     if args.request_timeout <= 0:
         raise SystemExit("--request-timeout must be positive")
     stack = StackConfig.from_cli_args(args)
+    source = resolve_model(args.model)
+    names = served_model_names(args.served_model_name) or [source.name]
     settings = GatewaySettings(
-        model_name=args.served_model_name or resolve_model(args.model).name,
-        max_model_len=args.max_model_len,
+        model_name=names[0], model_aliases=tuple(names[1:]), model_root=args.model or source.name,
+        max_model_len=_max_model_len(args), chat_template=_chat_template(stack),
         api_key=args.api_key or os.environ.get("PAGODA_API_KEY") or None,
         max_pending_requests=args.max_pending_requests,
-        tokenizer=args.tokenizer or args.model)
+        tokenizer=args.tokenizer or args.model,
+        tool_call_parser=stack.tool_call_parser or None,
+        reasoning_parser=stack.reasoning_parser or None)
+    try:
+        from services.gateway.chat_tools import ChatSettings
+        ChatSettings(settings.tool_call_parser, settings.reasoning_parser)
+    except ValueError as e:
+        raise SystemExit(f"pagoda gateway: {e}") from None
     # uvicorn's own access log is replaced by the app's one structured line per request.
     logging.getLogger("uvicorn.access").disabled = True
 

@@ -1,15 +1,22 @@
-"""The gateway's Prometheus metrics: vLLM's names with a `pagoda:` prefix, in one registry.
+"""The gateway's Prometheus metrics: vLLM's names with a `pagoda:` prefix, and the same
+families again under vLLM's own `vllm:` names, for dashboards and tests written for vLLM.
 
-Request timings and token counts are measured here, where the client's stream is; the engine's
-queue and cache gauges come from its health details, refreshed on each scrape.
+Each quantity is measured once, under its `pagoda:` name; the `vllm:` families are aliases,
+copied from those at each scrape (`VllmAliases`), so the two never disagree. Request timings
+and token counts are measured here, where the client's stream is; the engine's queue and cache
+gauges, and its preemption and prefix-cache counts, come from its health details, refreshed on
+each scrape.
 """
 import time
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from proto.requests import HealthResponse
 from services.engine.outputs import RequestOutput
+from shared.sampling_params import SamplingParams
 
 # Buckets of vLLM's histograms for the same quantities.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -18,6 +25,47 @@ _TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 
                  7.5, 10.0, 20.0, 40.0, 80.0)
 _LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                     60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
+                  100000)
+_N_BUCKETS = (1, 2, 5, 10, 20)
+
+# `pagoda:` family -> its `vllm:` names (several where vLLM has renamed one over versions).
+VLLM_ALIASES = {
+    "pagoda:num_requests_running": ["vllm:num_requests_running"],
+    "pagoda:num_requests_waiting": ["vllm:num_requests_waiting"],
+    "pagoda:num_requests_swapped": ["vllm:num_requests_swapped"],
+    "pagoda:kv_cache_usage_perc": ["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"],
+    "pagoda:prefix_cache_hit_rate": ["vllm:gpu_prefix_cache_hit_rate"],
+    "pagoda:prefix_cache_queries": ["vllm:prefix_cache_queries",
+                                    "vllm:gpu_prefix_cache_queries"],
+    "pagoda:prefix_cache_hits": ["vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits"],
+    "pagoda:preemptions": ["vllm:num_preemptions"],
+    "pagoda:prompt_tokens": ["vllm:prompt_tokens"],
+    "pagoda:generation_tokens": ["vllm:generation_tokens"],
+    "pagoda:request_success": ["vllm:request_success"],
+    "pagoda:time_to_first_token_seconds": ["vllm:time_to_first_token_seconds"],
+    "pagoda:time_per_output_token_seconds": ["vllm:time_per_output_token_seconds",
+                                             "vllm:inter_token_latency_seconds"],
+    "pagoda:e2e_request_latency_seconds": ["vllm:e2e_request_latency_seconds"],
+    "pagoda:request_queue_time_seconds": ["vllm:request_queue_time_seconds"],
+    "pagoda:request_prefill_time_seconds": ["vllm:request_prefill_time_seconds"],
+    "pagoda:request_decode_time_seconds": ["vllm:request_decode_time_seconds"],
+    "pagoda:request_inference_time_seconds": ["vllm:request_inference_time_seconds"],
+    "pagoda:request_prompt_tokens": ["vllm:request_prompt_tokens"],
+    "pagoda:request_generation_tokens": ["vllm:request_generation_tokens"],
+    "pagoda:request_params_n": ["vllm:request_params_n"],
+    "pagoda:request_params_max_tokens": ["vllm:request_params_max_tokens"],
+    "pagoda:iteration_tokens_total": ["vllm:iteration_tokens_total"],
+    "pagoda:cache_config_info": ["vllm:cache_config_info"],
+}
+
+# Engine totals (health details) that are counters, so they come out as counter families.
+_ENGINE_COUNTERS = {"pagoda:prefix_cache_queries": ("prefix_cache_queries",
+                                                    "Prompt tokens looked up in the prefix cache"),
+                    "pagoda:prefix_cache_hits": ("prefix_cache_hits",
+                                                 "Prompt tokens found in the prefix cache"),
+                    "pagoda:preemptions": ("preemptions",
+                                                       "Preemptions since the engine started")}
 
 # service_up's services, and the health detail that counts each one's live processes.
 SERVICE_COUNTS = {"worker": "workers", "tokenizer": "tokenizers", "detokenizer": "detokenizers"}
@@ -27,9 +75,43 @@ SERVICE_COUNTS = {"worker": "workers", "tokenizer": "tokenizers", "detokenizer":
 class RequestTimer:
     """Timings of one engine request, as the gateway sees them (monotonic seconds)."""
     arrival: float = field(default_factory=time.monotonic)
+    params: SamplingParams | None = None
     first_output: float | None = None
+    first_token: float | None = None
     last_token: float | None = None
+    queue_time_s: float | None = None  # the engine's, from arrival to the first schedule
     prompt_tokens_counted: bool = False
+    num_prompt_tokens: int = 0
+
+
+class EngineTotals(Collector):
+    """The engine's counts since it started (from its health details) as counter families."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.values: dict[str, float] = {}
+
+    def collect(self):
+        for name, (key, doc) in _ENGINE_COUNTERS.items():
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            if key in self.values:
+                family.add_metric([self.model_name], self.values[key])
+            yield family
+
+
+class VllmAliases(Collector):
+    """Every `pagoda:` family of `source` that vLLM has, again under its vLLM names."""
+
+    def __init__(self, source: CollectorRegistry):
+        self.source = source
+
+    def collect(self):
+        for family in self.source.collect():
+            for alias in VLLM_ALIASES.get(family.name, ()):
+                copy = Metric(alias, family.documentation, family.type, family.unit)
+                copy.samples = [s._replace(name=alias + s.name[len(family.name):])
+                                for s in family.samples]
+                yield copy
 
 
 class GatewayMetrics:
@@ -76,11 +158,42 @@ class GatewayMetrics:
                               registry=r)
         self.e2e = Histogram("pagoda:e2e_request_latency_seconds", "End-to-end request latency",
                              labels, buckets=_LATENCY_BUCKETS, registry=r)
-        # The engine does not report when it scheduled a request, so the time to its first output
-        # (queueing + prefill) stands in for the queue time.
+        # The engine reports when it first scheduled a request (with its first output): the
+        # phases below split the request's time at that point and at its first token.
         self.queue_time = Histogram("pagoda:request_queue_time_seconds",
-                                    "Time from arrival to the first output (queue + prefill)",
-                                    labels, buckets=_LATENCY_BUCKETS, registry=r)
+                                    "Time from arrival to the engine's first schedule", labels,
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.prefill_time = Histogram("pagoda:request_prefill_time_seconds",
+                                      "Time from the first schedule to the first token", labels,
+                                      buckets=_LATENCY_BUCKETS, registry=r)
+        self.decode_time = Histogram("pagoda:request_decode_time_seconds",
+                                     "Time from the first token to the last", labels,
+                                     buckets=_LATENCY_BUCKETS, registry=r)
+        self.inference_time = Histogram("pagoda:request_inference_time_seconds",
+                                        "Time from the first schedule to the last token", labels,
+                                        buckets=_LATENCY_BUCKETS, registry=r)
+        self.request_prompt_tokens = Histogram("pagoda:request_prompt_tokens",
+                                               "Prompt tokens per finished request", labels,
+                                               buckets=_TOKEN_BUCKETS, registry=r)
+        self.request_generation_tokens = Histogram(
+            "pagoda:request_generation_tokens", "Tokens generated per finished request (all n "
+            "samples)", labels, buckets=_TOKEN_BUCKETS, registry=r)
+        self.request_n = Histogram("pagoda:request_params_n", "The n of finished requests",
+                                   labels, buckets=_N_BUCKETS, registry=r)
+        self.request_max_tokens = Histogram("pagoda:request_params_max_tokens",
+                                            "The max_tokens of finished requests", labels,
+                                            buckets=_TOKEN_BUCKETS, registry=r)
+        # The gateway sees each request's steps, not the engine's batches: this counts the
+        # tokens one request advanced by in a step (its prompt with its first output).
+        self.iteration_tokens = Histogram("pagoda:iteration_tokens_total",
+                                          "Tokens a request advanced by per engine step",
+                                          labels, buckets=_TOKEN_BUCKETS, registry=r)
+        self.cache_config = Gauge("pagoda:cache_config_info", "The engine's KV cache (value 1)",
+                                  ["num_gpu_blocks"], registry=r)
+        self.engine_totals = EngineTotals(model_name)
+        r.register(self.engine_totals)
+        self.vllm_registry = CollectorRegistry()
+        self.vllm_registry.register(VllmAliases(r))
         self.service_up.labels("gateway").set(1)
 
     # -- per request ----------------------------------------------------------------------------
@@ -89,15 +202,24 @@ class GatewayMetrics:
         m = self.model_name
         if timer.first_output is None:
             timer.first_output = now
-            self.queue_time.labels(m).observe(now - timer.arrival)
+            # Without the engine's figure (an error before any schedule), all of it was queue.
+            timer.queue_time_s = min(out.queue_time_s if out.queue_time_s is not None
+                                     else now - timer.arrival, now - timer.arrival)
+            self.queue_time.labels(m).observe(timer.queue_time_s)
+        iteration_tokens = 0
         if not timer.prompt_tokens_counted and out.num_prompt_tokens is not None:
             self.prompt_tokens.labels(m).inc(out.num_prompt_tokens)
             timer.prompt_tokens_counted = True
+            timer.num_prompt_tokens = iteration_tokens = out.num_prompt_tokens
         new_tokens = sum(len(c.token_ids) for c in out.outputs)
         if new_tokens:
             self.generation_tokens.labels(m).inc(new_tokens)
+            self.iteration_tokens.labels(m).observe(iteration_tokens + new_tokens)
             if timer.last_token is None:
+                timer.first_token = now
                 self.ttft.labels(m).observe(now - timer.arrival)
+                self.prefill_time.labels(m).observe(
+                    max(0.0, now - timer.arrival - timer.queue_time_s))
             else:
                 # n > 1 advances every sequence by one token a step: time per step and sequence.
                 per_step = max(len(c.token_ids) for c in out.outputs)
@@ -108,6 +230,21 @@ class GatewayMetrics:
                 self.request_success.labels(m, c.finish_reason).inc()
         if out.finished:
             self.e2e.labels(m).observe(now - timer.arrival)
+            self._observe_finished(timer, out, now)
+
+    def _observe_finished(self, timer: RequestTimer, out: RequestOutput, now: float) -> None:
+        m = self.model_name
+        self.request_prompt_tokens.labels(m).observe(timer.num_prompt_tokens)
+        self.request_generation_tokens.labels(m).observe(out.num_output_tokens or 0)
+        if timer.params is not None:
+            self.request_n.labels(m).observe(timer.params.n)
+            if timer.params.max_tokens is not None:
+                self.request_max_tokens.labels(m).observe(timer.params.max_tokens)
+        if timer.first_token is not None:
+            last = timer.last_token or now
+            self.decode_time.labels(m).observe(last - timer.first_token)
+            self.inference_time.labels(m).observe(
+                max(0.0, last - timer.arrival - (timer.queue_time_s or 0.0)))
 
     def observe_error(self, status: int) -> None:
         self.request_errors.labels(self.model_name, str(status)).inc()
@@ -124,6 +261,11 @@ class GatewayMetrics:
             self.service_up.labels(service).set(1 if count > 0 else 0)
         if not engine_ok:
             return
+        self.engine_totals.values = {key: details[key] for key, _ in _ENGINE_COUNTERS.values()
+                                     if isinstance(details.get(key), (int, float))}
+        if isinstance(details.get("device_blocks"), int):
+            self.cache_config.clear()
+            self.cache_config.labels(str(details["device_blocks"])).set(1)
         for gauge, key in ((self.running, "running"), (self.waiting, "waiting"),
                            (self.swapped, "swapped"), (self.kv_cache_usage, "kv_cache_usage"),
                            (self.prefix_hit_rate, "prefix_cache_hit_rate"),
@@ -133,4 +275,4 @@ class GatewayMetrics:
                 gauge.labels(m).set(value)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.registry) + generate_latest(self.vllm_registry)

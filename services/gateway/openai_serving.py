@@ -4,6 +4,8 @@ stream chunks (`/v1/completions`, `/v1/chat/completions`).
 Choice indices follow OpenAI: with P prompts and n samples each, prompt i's sample j is choice
 i * n + j. Usage adds up every prompt's tokens.
 """
+import contextlib
+import json
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
@@ -12,19 +14,29 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from proto.requests import PromptOptions
 from services.engine.outputs import CompletionOutput, RequestOutput
+from services.gateway.chat_tools import (ChatOutput, ChatRequestError, ChatSettings,
+                                         MessageParts, chat_prompt, tool_plan, with_tool_grammar)
 from services.gateway.client import EngineRequestError
+from services.gateway.extensions import (ExtensionError, best_of_order, check_best_of,
+                                         check_prompt_logprobs,
+                                         check_refused, check_stream_options, echo_logprobs,
+                                         prompt_options, sampled_logprob_sum, usage_so_far,
+                                         vllm_prompt_logprobs, with_extensions)
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.schemas import (ChatCompletionChunk, ChatCompletionChoice,
                                       ChatCompletionRequest, ChatCompletionResponse,
                                       ChatCompletionStreamChoice, ChatMessage, ChoiceLogprobs,
                                       CompletionChoice, CompletionLogprobs, CompletionRequest,
                                       CompletionResponse, CompletionStreamResponse, DeltaMessage,
-                                      TokenLogprob, TopLogprob, UsageInfo, now_s)
+                                      FunctionCall, TokenLogprob, ToolCall, TopLogprob, UsageInfo,
+                                      now_s)
 from services.gateway.streaming import (ClientDisconnected, EngineStreams, EventStreamResponse,
                                         sse_event, unless_disconnected)
 from shared.logging import get_logger
 from shared.sampling_params import SamplingParams, SamplingParamsError
+from shared.structured_output import StructuredOutputsParams, check_supported
 
 log = get_logger("gateway")
 
@@ -77,7 +89,9 @@ def _sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens:
         stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
         logprobs=logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens,
-        spaces_between_special_tokens=req.spaces_between_special_tokens)
+        spaces_between_special_tokens=req.spaces_between_special_tokens,
+        structured_outputs=_structured_outputs(req), logit_bias=_logit_bias(req.logit_bias),
+        allowed_token_ids=req.allowed_token_ids)
     for name in _OPTIONAL_FLOATS:
         value = getattr(req, name)
         if value is not None:
@@ -89,35 +103,87 @@ def _sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens:
         raise APIError(400, str(e).replace(e.field, param, 1), param=param) from None
 
 
+def _structured_outputs(req: CompletionRequest | ChatCompletionRequest
+                        ) -> StructuredOutputsParams | None:
+    """vLLM's `structured_outputs` or OpenAI's `response_format`, checked against what the
+    grammar library can honour (a 400 names what it cannot)."""
+    fmt, so = req.response_format, req.structured_outputs
+    from_format = fmt is not None and fmt.type != "text"
+    if from_format and so is not None:
+        raise APIError(400, "response_format: give response_format or structured_outputs, "
+                            "not both", param="response_format")
+    try:
+        if so is not None:
+            fields = so.model_dump(exclude_none=True, exclude_defaults=True)
+            if "json_schema" in fields:
+                schema = fields.pop("json_schema")
+                fields["json"] = schema if isinstance(schema, (dict, str)) else json.dumps(schema)
+            params = StructuredOutputsParams(**fields)
+        elif from_format and fmt.type == "json_object":
+            params = StructuredOutputsParams(json_object=True)
+        elif from_format:
+            if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+                raise APIError(400, "response_format.json_schema: the json_schema type needs "
+                                    "json_schema.schema", param="response_format.json_schema")
+            params = StructuredOutputsParams(json=fmt.json_schema.json_schema)
+        else:
+            return None
+        check_supported(params)
+    except SamplingParamsError as e:
+        param = e.field
+        if so is None:  # name the field the request used
+            param = param.replace("structured_outputs.json", "response_format.json_schema.schema"
+                                  ).replace("structured_outputs", "response_format")
+        raise APIError(400, str(e).replace(e.field, param, 1), param=param) from None
+    return params
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias keys are token ids written as strings."""
+    if not bias:
+        return None
+    try:
+        return {int(token): value for token, value in bias.items()}
+    except ValueError:
+        raise APIError(400, "logit_bias: keys must be token ids (integers, as strings)",
+                       param="logit_bias") from None
+
+
 def _refuse_unsupported(req, checks: dict[str, tuple[bool, str]]) -> None:
     for param, (refused, why) in checks.items():
         if refused:
             raise APIError(400, f"{param}: {why}", param=param)
-    if req.stream_options is not None and not req.stream:
-        raise APIError(400, "stream_options: only allowed when stream is true",
-                       param="stream_options")
+    with extension_errors():
+        check_stream_options(req)
+        check_refused(req)
+        check_prompt_logprobs(req)
+
+
+@contextlib.contextmanager
+def extension_errors():
+    """An ExtensionError raised inside becomes a 400 that names its field."""
+    try:
+        yield
+    except ExtensionError as e:
+        raise APIError(400, str(e), param=e.param) from None
 
 
 def completion_sampling_params(req: CompletionRequest) -> SamplingParams:
-    _refuse_unsupported(req, {
-        "best_of": (req.best_of is not None and req.best_of != req.n,
-                    "best_of other than n is not supported"),
-        "suffix": (bool(req.suffix), "suffix is not supported"),
-        "logit_bias": (bool(req.logit_bias), "logit_bias is not supported"),
-        "echo": (req.echo and req.logprobs is not None,
-                 "echo with logprobs is not supported (prompt logprobs are not returned)"),
-    })
-    return _sampling_params(req, req.max_tokens, req.logprobs, rename={})
+    _refuse_unsupported(req, {})
+    with extension_errors():
+        check_best_of(req)
+    params = _sampling_params(req, req.max_tokens, req.logprobs, rename={})
+    # echo with logprobs returns the prompt's logprobs too; best_of ranks samples by theirs.
+    asked = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None)
+             if k is not None]
+    best_of = req.best_of if req.best_of is not None and req.best_of > req.n else None
+    with extension_errors():
+        return with_extensions(params, prompt_logprobs=max(asked) if asked else None,
+                               best_of=best_of, logprobs=0 if best_of else None)
 
 
 def chat_sampling_params(req: ChatCompletionRequest) -> SamplingParams:
     _refuse_unsupported(req, {
-        "tools": (bool(req.tools), "tool calls are not supported"),
-        "tool_choice": (req.tool_choice not in (None, "none"), "tool calls are not supported"),
-        "logit_bias": (bool(req.logit_bias), "logit_bias is not supported"),
-        "response_format": (req.response_format is not None
-                            and req.response_format.get("type") != "text",
-                            "only the 'text' response format is supported"),
         "top_logprobs": (req.top_logprobs is not None and not req.logprobs,
                          "top_logprobs needs logprobs to be true"),
     })
@@ -126,7 +192,9 @@ def chat_sampling_params(req: ChatCompletionRequest) -> SamplingParams:
     rename = {"logprobs": "top_logprobs"}
     if req.max_completion_tokens is not None:
         rename["max_tokens"] = "max_completion_tokens"
-    return _sampling_params(req, max_tokens, logprobs, rename)
+    params = _sampling_params(req, max_tokens, logprobs, rename)
+    with extension_errors():
+        return with_extensions(params, prompt_logprobs=req.prompt_logprobs)
 
 
 def completion_prompts(prompt) -> list[str | list[int]]:
@@ -179,6 +247,9 @@ class ChoiceState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     started: bool = False  # a stream has sent this choice's first chunk (its echo or role)
+    token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float = 0.0  # of the sampled tokens (with logprobs asked for)
+    extras: dict = field(default_factory=dict)  # vLLM's fields of the choice (prompt_token_ids)
 
 
 class UsageTally:
@@ -207,24 +278,28 @@ class OpenAIServing:
                  disconnect_poll_s: float = 0.25):
         self.client = client
         self.model_name = model_name
+        self.model_names = {model_name}  # every name requests may use (the app adds aliases)
         self.metrics = metrics
         self.decode_prompt = decode_prompt
         self.disconnect_poll_s = disconnect_poll_s
+        # The model's fill-in-the-middle tokens (prefix, suffix, middle), or None: set by the app.
+        self.fim_tokens: Callable[[], Awaitable[tuple[str, str, str] | None]] | None = None
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.model_names:
             raise APIError(404, f"The model `{model}` does not exist; this server serves "
                                 f"`{self.model_name}`.", param="model", code="model_not_found")
 
     async def run(self, raw: Request, prompts: list, params: SamplingParams, request_id: str,
                   stream: bool, release: Callable[[], None], make_body, make_response,
-                  cache_salt: str | None = None) -> Response:
+                  cache_salt: str | None = None,
+                  options: PromptOptions | None = None) -> Response:
         """Start the engine requests; answer with `make_response(outputs)` or, streamed, with
         the events of `make_body(first_output, streams)`. `release` frees the pending slot once
         the response is over, whichever way it ends."""
         arrival = time.monotonic()
         streams = EngineStreams(self.client, prompts, params, request_id, self.metrics, arrival,
-                                cache_salt)
+                                cache_salt, options)
         handed_over = False
         try:
             if stream:
@@ -283,36 +358,62 @@ class CompletionServing(OpenAIServing):
         self.check_model(req.model)
         params = completion_sampling_params(req)
         prompts = completion_prompts(req.prompt)
+        if req.suffix:
+            prompts = [await self._fill_in_the_middle(p, req.suffix) for p in prompts]
         echo = [await self._prompt_text(p) for p in prompts] if req.echo else None
         response_id, created = f"cmpl-{request_id}", now_s()
-        n = req.n
+        n, samples = req.n, params.n  # samples: best_of, when the best n of more are returned
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous_usage = include_usage and req.stream_options.continuous_usage_stats
+        echo_with_logprobs = req.echo and req.logprobs is not None
+        firsts: dict[int, RequestOutput] = {}  # each prompt's first output (its prompt's part)
 
         def choice_delta(i: int, c: CompletionOutput,
                          state: ChoiceState) -> CompletionChoice | None:
-            text = c.text
-            if echo is not None and not state.started:
-                text = echo[i] + text
-                state.text_offset = len(echo[i])
+            text, logprobs, extras = c.text, None, {}
+            if not state.started:
+                first = firsts[i]
+                if echo is not None:
+                    text = echo[i] + text
+                    state.text_offset = len(echo[i])
+                if echo_with_logprobs and first.prompt_logprobs is not None:
+                    logprobs = echo_logprobs(first)
+                if req.return_token_ids:
+                    extras["prompt_token_ids"] = first.prompt_token_ids
+                if req.prompt_logprobs is not None:
+                    extras["prompt_logprobs"] = vllm_prompt_logprobs(first,
+                                                                     params.prompt_logprobs)
             state.started = True
-            logprobs = None
+            state.cumulative_logprob += sampled_logprob_sum(c)
             if req.logprobs is not None and c.logprobs:
-                logprobs, state.text_offset = completion_logprobs(c, state.text_offset)
-            if not text and logprobs is None and c.finish_reason is None:
+                more, state.text_offset = completion_logprobs(c, state.text_offset)
+                if logprobs is None:
+                    logprobs = more
+                else:
+                    _extend_logprobs(logprobs, more)
+            if req.return_token_ids:
+                extras["token_ids"] = list(c.token_ids)
+            if not (text or logprobs is not None or c.finish_reason is not None
+                    or any(extras.values())):
                 return None
             return CompletionChoice(index=i * n + c.index, text=text, logprobs=logprobs,
-                                    finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                                    finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                    **extras)
 
         def body(first, streams: EngineStreams) -> AsyncIterator[str]:
             states = [ChoiceState() for _ in range(len(prompts) * n)]
 
             def events_of(i: int, out: RequestOutput) -> Iterator[str]:
+                firsts.setdefault(i, out)
                 for c in out.outputs:
                     choice = choice_delta(i, c, states[i * n + c.index])
                     if choice is not None:
-                        yield sse_event(_chunk_dict(CompletionStreamResponse(
+                        chunk = CompletionStreamResponse(
                             id=response_id, created=created, model=self.model_name,
-                            choices=[choice]), include_usage))
+                            choices=[choice])
+                        if continuous_usage:
+                            chunk.usage = usage_so_far(out)
+                        yield sse_event(_chunk_dict(chunk, include_usage))
 
             def usage_event(usage: UsageInfo) -> str:
                 return sse_event(CompletionStreamResponse(
@@ -323,12 +424,13 @@ class CompletionServing(OpenAIServing):
                                  usage_event if include_usage else None)
 
         def response(outputs) -> JSONResponse:
-            states = [ChoiceState() for _ in range(len(prompts) * n)]
+            states = [ChoiceState() for _ in range(len(prompts) * samples)]
             usage = UsageTally(len(prompts))
             for i, out in outputs:
                 usage.add(i, out)
+                firsts.setdefault(i, out)
                 for c in out.outputs:
-                    state = states[i * n + c.index]
+                    state = states[i * samples + c.index]
                     choice = choice_delta(i, c, state)
                     if choice is None:
                         continue
@@ -337,18 +439,37 @@ class CompletionServing(OpenAIServing):
                         if state.completion_logprobs is None:
                             state.completion_logprobs = CompletionLogprobs()
                         _extend_logprobs(state.completion_logprobs, choice.logprobs)
+                    _keep_extras(state, choice)
                     if c.finish_reason is not None:
                         state.finish_reason, state.stop_reason = c.finish_reason, c.stop_reason
-            choices = [CompletionChoice(index=k, text="".join(s.text),
-                                        logprobs=s.completion_logprobs,
-                                        finish_reason=s.finish_reason, stop_reason=s.stop_reason)
-                       for k, s in enumerate(states)]
+            choices = []
+            for i in range(len(prompts)):
+                group = states[i * samples:(i + 1) * samples]
+                # best_of: the n samples with the highest cumulative logprob, best first.
+                order = (best_of_order([s.cumulative_logprob for s in group], n)
+                         if samples > n else range(n))
+                for j, k in enumerate(order):
+                    s = group[k]
+                    choices.append(CompletionChoice(
+                        index=i * n + j, text="".join(s.text), logprobs=s.completion_logprobs,
+                        finish_reason=s.finish_reason, stop_reason=s.stop_reason, **s.extras))
             return JSONResponse(CompletionResponse(
                 id=response_id, created=created, model=self.model_name, choices=choices,
                 usage=usage.info()).model_dump())
 
         return await self.run(raw, prompts, params, response_id, req.stream, release, body,
-                              response, req.cache_salt)
+                              response, req.cache_salt, prompt_options(req))
+
+    async def _fill_in_the_middle(self, prompt: str | list[int], suffix: str) -> str:
+        """The prompt of a fill-in-the-middle request, in the model's own FIM tokens."""
+        tokens = await self.fim_tokens() if self.fim_tokens is not None else None
+        if tokens is None:
+            raise APIError(400, "suffix: this model has no fill-in-the-middle tokens, so a "
+                                "suffix cannot be served", param="suffix")
+        if not isinstance(prompt, str):
+            raise APIError(400, "suffix: needs a text prompt", param="suffix")
+        fim_prefix, fim_suffix, fim_middle = tokens
+        return f"{fim_prefix}{prompt}{fim_suffix}{suffix}{fim_middle}"
 
     async def _prompt_text(self, prompt: str | list[int]) -> str:
         if isinstance(prompt, str):
@@ -360,32 +481,63 @@ class CompletionServing(OpenAIServing):
 
 
 class ChatServing(OpenAIServing):
+    def __init__(self, *args, chat_settings: ChatSettings | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.chat_settings = chat_settings or ChatSettings()
+
     async def create(self, req: ChatCompletionRequest, raw: Request, request_id: str,
                      release: Callable[[], None]) -> Response:
         self.check_model(req.model)
         params = chat_sampling_params(req)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:  # tools, reasoning and template options: see chat_tools
+            prompt = chat_prompt(req)
+            plan = tool_plan(req, self.chat_settings)
+            params = with_tool_grammar(params, plan)
+        except ChatRequestError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        reading = ChatOutput(req, plan, self.chat_settings)
+        choice_streams = [reading.stream() for _ in range(req.n)]
         response_id, created = f"chatcmpl-{request_id}", now_s()
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         top_n = req.top_logprobs or 0
+        continuous_usage = include_usage and req.stream_options.continuous_usage_stats
 
         def logprobs_of(c: CompletionOutput) -> list[TokenLogprob] | None:
             return chat_logprobs(c, top_n) if req.logprobs and c.logprobs else None
 
-        def chunk(choice: ChatCompletionStreamChoice) -> str:
-            return sse_event(_chunk_dict(ChatCompletionChunk(
-                id=response_id, created=created, model=self.model_name, choices=[choice]),
-                include_usage))
+        def token_ids_of(c: CompletionOutput) -> dict:
+            return {"token_ids": list(c.token_ids)} if req.return_token_ids else {}
+
+        def prompt_parts(first: RequestOutput) -> dict:
+            """vLLM's response-level fields: the prompt's token ids and logprobs."""
+            parts = {}
+            if req.return_token_ids:
+                parts["prompt_token_ids"] = first.prompt_token_ids
+            if req.prompt_logprobs is not None and not req.stream:
+                parts["prompt_logprobs"] = vllm_prompt_logprobs(first, params.prompt_logprobs)
+            return parts
+
+        def chunk(choice: ChatCompletionStreamChoice, out: RequestOutput | None = None,
+                  **parts) -> str:
+            data = ChatCompletionChunk(id=response_id, created=created, model=self.model_name,
+                                       choices=[choice], **parts)
+            if continuous_usage and out is not None:
+                data.usage = usage_so_far(out)
+            return sse_event(_chunk_dict(data, include_usage))
 
         def events_of(_: int, out: RequestOutput) -> Iterator[str]:
             for c in out.outputs:
                 logprobs = logprobs_of(c)
-                if not c.text and logprobs is None and c.finish_reason is None:
+                cs = choice_streams[c.index]
+                delta = delta_message(cs.feed(c.text, final=c.finish_reason is not None))
+                if (delta is None and logprobs is None and c.finish_reason is None
+                        and not (req.return_token_ids and c.token_ids)):
                     continue
                 yield chunk(ChatCompletionStreamChoice(
-                    index=c.index, delta=DeltaMessage(content=c.text or None),
+                    index=c.index, delta=delta or DeltaMessage(),
                     logprobs=ChoiceLogprobs(content=logprobs) if logprobs else None,
-                    finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                    finish_reason=reading.finish_reason(c.finish_reason, cs.made_calls),
+                    stop_reason=c.stop_reason, **token_ids_of(c)), out)
 
         def usage_event(usage: UsageInfo) -> str:
             return sse_event(ChatCompletionChunk(
@@ -395,8 +547,13 @@ class ChatServing(OpenAIServing):
         def body(first, streams: EngineStreams) -> AsyncIterator[str]:
             # Each choice opens with the assistant's role, as OpenAI's streams do.
             opening = [chunk(ChatCompletionStreamChoice(
-                index=index, delta=DeltaMessage(role="assistant", content="")))
-                for index in range(req.n)]
+                index=index, delta=DeltaMessage(role="assistant", content="")), first[1],
+                **prompt_parts(first[1])) for index in range(req.n)]
+            for index, cs in enumerate(choice_streams):
+                echo = cs.opening()
+                if echo is not None:
+                    opening.append(chunk(ChatCompletionStreamChoice(
+                        index=index, delta=delta_message(echo)), first[1]))
             return stream_events(first, streams, 1, events_of,
                                  usage_event if include_usage else None, opening)
 
@@ -408,22 +565,51 @@ class ChatServing(OpenAIServing):
                 for c in out.outputs:
                     state = states[c.index]
                     state.text.append(c.text)
+                    state.token_ids += c.token_ids
                     logprobs = logprobs_of(c)
                     if logprobs:
                         state.chat_logprobs = (state.chat_logprobs or []) + logprobs
                     if c.finish_reason is not None:
                         state.finish_reason, state.stop_reason = c.finish_reason, c.stop_reason
+            messages = [reading.message("".join(s.text)) for s in states]
             choices = [ChatCompletionChoice(
-                index=k, message=ChatMessage(content="".join(s.text)),
+                index=k, message=chat_message(messages[k]),
                 logprobs=ChoiceLogprobs(content=s.chat_logprobs or []) if req.logprobs else None,
-                finish_reason=s.finish_reason, stop_reason=s.stop_reason)
+                finish_reason=reading.finish_reason(s.finish_reason, bool(messages[k].tool_calls)),
+                stop_reason=s.stop_reason,
+                **({"token_ids": s.token_ids} if req.return_token_ids else {}))
                 for k, s in enumerate(states)]
             return JSONResponse(ChatCompletionResponse(
                 id=response_id, created=created, model=self.model_name, choices=choices,
-                usage=usage.info()).model_dump())
+                usage=usage.info(), **prompt_parts(outputs[0][1])).model_dump())
 
-        return await self.run(raw, [messages], params, response_id, req.stream, release, body,
-                              response, req.cache_salt)
+        return await self.run(raw, [prompt], params, response_id, req.stream, release, body,
+                              response, req.cache_salt, prompt_options(req))
+
+
+def chat_message(parts: MessageParts) -> ChatMessage:
+    return ChatMessage(content=parts.content, reasoning_content=parts.reasoning_content,
+                       tool_calls=[ToolCall(id=c.id, function=FunctionCall(
+                           name=c.name, arguments=c.arguments)) for c in parts.tool_calls])
+
+
+def delta_message(parts: MessageParts) -> DeltaMessage | None:
+    """A stream's new message parts as a delta; None when there are none."""
+    if parts.content is None and parts.reasoning_content is None and not parts.tool_calls:
+        return None
+    return DeltaMessage(content=parts.content, reasoning_content=parts.reasoning_content,
+                        tool_calls=[c.to_dict() for c in parts.tool_calls] or None)
+
+
+def _keep_extras(state: ChoiceState, choice) -> None:
+    """Fold a delta's vLLM fields into its choice: the prompt's parts once, token ids added."""
+    extras = choice.model_extra or {}
+    for key, value in extras.items():
+        if key == "token_ids":
+            state.token_ids += value
+            state.extras["token_ids"] = state.token_ids
+        else:
+            state.extras.setdefault(key, value)
 
 
 def _extend_logprobs(into: CompletionLogprobs, more: CompletionLogprobs) -> None:

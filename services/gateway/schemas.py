@@ -44,10 +44,39 @@ class ErrorBody(ResponseModel):
 # -- shared pieces --------------------------------------------------------------------------------
 class StreamOptions(RequestModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk (with include_usage)
+
+
+class StructuredOutputsField(RequestModel):
+    """vLLM's `structured_outputs`: the grammar the output must follow (exactly one kind)."""
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_schema: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+
+
+class JsonSchemaFormat(RequestModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(RequestModel):
+    """OpenAI's `response_format`."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class ExtraSamplingFields(RequestModel):
     """vLLM's sampling parameters beyond OpenAI's, accepted by both endpoints."""
+    structured_outputs: StructuredOutputsField | None = None
+    allowed_token_ids: list[NonNegativeInt] | None = None
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
@@ -64,6 +93,21 @@ class ExtraRequestFields(ExtraSamplingFields):
     # Requests share prefix-cache blocks only with requests of the same salt (one per tenant
     # keeps tenants' prompts apart).
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    # The prompt's logprobs (the top k per position), its token ids (and each choice's) in the
+    # response, and a cut to its last k tokens (-1: max_model_len): see `extensions`.
+    prompt_logprobs: int | None = None
+    return_token_ids: bool = False
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    # vLLM fields refused unless they keep their default (extensions.REFUSED_VLLM_FIELDS).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    prompt_embeds: Any = None
+    bad_words: list[str] | None = None
+    logits_processors: list[Any] | None = None
+    priority: int = 0
+    return_tokens_as_token_ids: bool = False
+    kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
 
 
 class UsageInfo(ResponseModel):
@@ -96,6 +140,7 @@ class CompletionRequest(ExtraRequestFields):
     best_of: PositiveInt | None = None
     suffix: str | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None  # as vLLM, on completions too
 
 
 class CompletionLogprobs(ResponseModel):
@@ -138,11 +183,28 @@ class TextContentPart(RequestModel):
     text: str
 
 
+class FunctionCallParam(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallParam(BaseModel):
+    """An earlier assistant turn's tool call, sent back in the conversation."""
+    model_config = ConfigDict(extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatMessageParam(BaseModel):
-    # Messages carry fields pagoda does not use (name, tool_call_id, ...): they are ignored.
+    # Messages carry fields pagoda does not use (refusal, audio, ...): they are ignored.
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = Field(default=None, validate_default=True)
+    tool_calls: list[ToolCallParam] | None = None  # assistant
+    tool_call_id: str | None = None  # tool: the call it answers
+    name: str | None = None
 
     @field_validator("content")
     @classmethod
@@ -159,6 +221,27 @@ class ChatMessageParam(BaseModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+class FunctionDefinition(RequestModel):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ChatTool(RequestModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(ExtraRequestFields):
@@ -180,10 +263,18 @@ class ChatCompletionRequest(ExtraRequestFields):
     user: str | None = None
     # OpenAI fields pagoda refuses unless they keep their default meaning.
     logit_bias: dict[str, float] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    # Tool calling (see chat_tools): "auto" reads calls out of free text with the server's
+    # --tool-call-parser; "required" and a named function constrain the output by a grammar.
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's chat template fields.
+    echo: bool = False  # the reply starts with the last message's content (same role only)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the reply continues the last (assistant) message
+    chat_template: str | None = None  # this request's own Jinja template
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
 
 
 class TopLogprob(ResponseModel):
@@ -200,9 +291,22 @@ class ChoiceLogprobs(ResponseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCall(ResponseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(ResponseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(ResponseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # the <think> span, with a --reasoning-parser
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(ResponseModel):
@@ -225,6 +329,10 @@ class ChatCompletionResponse(ResponseModel):
 class DeltaMessage(ResponseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    # OpenAI's tool call pieces: {index, id, type, function: {name, arguments}}, the first
+    # piece of a call with its id and name, later ones with more of its arguments.
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatCompletionStreamChoice(ResponseModel):
@@ -250,6 +358,8 @@ class ModelCard(ResponseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=now_s)
     owned_by: str = "pagoda"
+    root: str | None = None  # vLLM's: the model the name serves (its path)
+    parent: str | None = None
     max_model_len: int | None = None
 
 

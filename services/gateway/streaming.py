@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from proto.requests import PromptOptions
 from services.engine.outputs import RequestOutput
 from services.gateway.client import EngineRequestError
 from services.gateway.metrics import GatewayMetrics, RequestTimer
@@ -33,19 +34,22 @@ class EngineStreams:
     of all prompts come out in the order they arrive. `close()` aborts whatever still runs."""
 
     def __init__(self, client, prompts: list, params: SamplingParams, request_id: str,
-                 metrics: GatewayMetrics, arrival: float, cache_salt: str | None = None):
+                 metrics: GatewayMetrics, arrival: float, cache_salt: str | None = None,
+                 prompt_options: PromptOptions | None = None):
         self.queue: asyncio.Queue = asyncio.Queue()
         self.num_open = len(prompts)
         self.tasks = [
             asyncio.create_task(self._pump(client, i, prompt, params, f"{request_id}-{i}",
-                                           metrics, RequestTimer(arrival), cache_salt))
+                                           metrics, RequestTimer(arrival, params=params),
+                                           cache_salt, prompt_options))
             for i, prompt in enumerate(prompts)]
 
     async def _pump(self, client, i: int, prompt, params: SamplingParams, engine_request_id: str,
                     metrics: GatewayMetrics, timer: RequestTimer,
-                    cache_salt: str | None) -> None:
+                    cache_salt: str | None, prompt_options: PromptOptions | None) -> None:
         try:
-            async for out in client.generate(prompt, params, engine_request_id, cache_salt):
+            async for out in client.generate(prompt, params, engine_request_id, cache_salt,
+                                             prompt_options):
                 metrics.observe_output(timer, out)
                 self.queue.put_nowait((i, out))
         except EngineRequestError as e:
@@ -81,19 +85,26 @@ class EngineStreams:
 
 
 async def unless_disconnected(awaitable: Awaitable, request: Request, poll_s: float = 0.25):
-    """Await `awaitable`, polling the HTTP connection; raises ClientDisconnected (and cancels
-    the awaitable) when the client is gone."""
+    """Await `awaitable`; raises ClientDisconnected (and cancels the awaitable) when the client
+    is gone. The server's `http.disconnect` message is awaited (the body has been read, so
+    nothing else comes), so a client that leaves is noticed at once rather than at the next
+    poll. `poll_s` is no longer used; it stays for the callers that pass it."""
     task = asyncio.ensure_future(awaitable)
+    gone = asyncio.ensure_future(_disconnect(request))
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=poll_s)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                raise ClientDisconnected()
+        done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        raise ClientDisconnected()
     finally:
-        if not task.done():
-            task.cancel()
+        for t in (task, gone):
+            if not t.done():
+                t.cancel()
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def sse_event(data: dict | str) -> str:

@@ -1,7 +1,8 @@
 """The tokenizer stage's work: chat template, encode, checks. No sockets here."""
 from dataclasses import dataclass
 
-from proto.requests import ChatMessage, ChatOptions, EngineRequest, GenerateRequest
+from proto.requests import (ChatMessage, ChatOptions, EngineRequest, GenerateRequest,
+                            PromptOptions)
 from shared.chat_template import ChatTemplateError, render_chat
 from shared.tokenizer import eos_token_ids
 
@@ -51,8 +52,9 @@ class RequestTokenizer:
             raise RequestRejected(f"prompt: token ids out of range [0, {vocab}): {bad[:5]}")
         limit = self.checks.max_model_len
         params = req.sampling_params
-        if req.truncate_prompt_tokens is not None:
-            ids, cut = self.truncate(ids, req.truncate_prompt_tokens)
+        options = req.prompt_options or PromptOptions()
+        if options.truncate_prompt_tokens is not None:
+            ids, cut = self.truncate(ids, options.truncate_prompt_tokens)
             text = None if cut else text  # the text no longer matches the ids
         if len(ids) >= limit:
             raise RequestRejected(
@@ -68,7 +70,7 @@ class RequestTokenizer:
             raise RequestRejected(f"stop_token_ids: ids out of range [0, {vocab}): {bad_stop[:5]}")
         return EngineRequest(req.request_id, req.gateway_id, text, ids, params,
                              self.eos_token_ids, req.arrival_time, req.cache_salt, req.resumed,
-                             req.return_prompt_token_ids)
+                             options.return_prompt_token_ids)
 
     def truncate(self, ids: list[int], keep: int) -> tuple[list[int], bool]:
         """The prompt's last `keep` tokens (-1: the last max_model_len), as vLLM's
