@@ -100,6 +100,11 @@ class DetokenizerService:
         by_gateway: dict[str, list[RequestTextDelta]] = {}
         finished_here = []
         for delta in msg.requests:
+            if any(sd.finish_reason == "abort" for sd in delta.sequences):
+                # No text for an aborted request: nobody reads it (the client left).
+                if (text_delta := self.detokenizer.end_aborted(delta)) is not None:
+                    by_gateway.setdefault(delta.gateway_id, []).append(text_delta)
+                continue
             try:
                 text_delta, tell_engine = self.detokenizer.decode(delta)
             except Exception:  # one bad request must not stop the others' streams

@@ -11,17 +11,22 @@ import zmq
 
 from proto.codec import CodecError, decode, encode
 from proto.control import Register
-from proto.requests import ErrorResponse, GenerateRequest
+from proto.requests import AbortRequest, ErrorResponse, GenerateRequest
 from shared.chat_template import load_chat_template
 from shared.config import EngineArgs
 from shared.logging import configure, get_logger
+from shared.recent_ids import RecentIds
 from shared.sockets import (ControlServer, PushRoutes, connect, make_socket,
                             process_instance_id)
 from shared.stack_config import StackConfig
 from shared.tokenizer import get_tokenizer
+from services.tokenizer.backlog import Backlog
 from services.tokenizer.tokenize import PromptChecks, RequestRejected, RequestTokenizer
 
 log = get_logger("tokenizer")
+
+_READ_AHEAD = 256  # requests read off the socket ahead of tokenizing (aborts can drop them)
+_ABORTS_REMEMBERED_S = 120.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,6 +50,7 @@ class TokenizerService:
         self.status = "starting"
         self.handled = 0
         self.rejected = 0
+        self.backlog = Backlog(_READ_AHEAD, RecentIds(_ABORTS_REMEMBERED_S, 65536))
         self.control = ControlServer(self.ctx, stack.control_for("tokenizer", instance),
                                      "tokenizer", self._health).start()
         config = engine_args.create_engine_config()
@@ -69,6 +75,7 @@ class TokenizerService:
 
     def _health(self) -> tuple[str, dict]:
         return self.status, {"handled": self.handled, "rejected": self.rejected,
+                             "dropped": self.backlog.num_dropped, "backlog": len(self.backlog),
                              "instance": self.instance_id}
 
     def serve(self) -> None:
@@ -82,9 +89,12 @@ class TokenizerService:
                 if time.monotonic() - last_beat > heartbeat_every:
                     self._send_to_engine(encode(Register("tokenizer", self.instance_id)))
                     last_beat = time.monotonic()
-                if not self.input.poll(int(heartbeat_every * 1000)):
+                if not self.backlog and not self.input.poll(int(heartbeat_every * 1000)):
                     continue
-                self._handle(self.input.recv())
+                self._read_ahead()  # before each request: aborts that came since drop theirs
+                req = self.backlog.pop()
+                if req is not None:
+                    self._handle(req)
         finally:
             self.control.close()
             self.input.close(0)
@@ -92,14 +102,21 @@ class TokenizerService:
             self.routes.close()
             self.ctx.term()
 
-    def _handle(self, frame: bytes) -> None:
-        try:
-            req = decode(frame, GenerateRequest)
-        except CodecError as e:
-            # Answer the sender when the frame still names one; else only log it.
-            log.warning("dropped a bad frame", error=str(e), size=len(frame))
-            self.rejected += 1
-            return
+    def _read_ahead(self) -> None:
+        """Move what the socket holds into the backlog, up to its size (beyond it, the socket's
+        high-water mark pushes back as before)."""
+        while not self.backlog.full:
+            try:
+                frame = self.input.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                self.backlog.add(decode(frame, (GenerateRequest, AbortRequest)))
+            except CodecError as e:
+                log.warning("dropped a bad frame", error=str(e), size=len(frame))
+                self.rejected += 1
+
+    def _handle(self, req: GenerateRequest) -> None:
         rlog = log.bind(request_id=req.request_id)
         try:
             out = self.worker.tokenize(req)
