@@ -17,7 +17,10 @@ MODEL = DEFAULT_MODEL_NAME
 MAX_MODEL_LEN = 1024
 ENGINE_ARGS = {"kv_cache_space_gib": 0.25, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 32}
 # Settings of the stack's services (the compose file's environment variables).
-STACK_ENV = {"PAGODA_LIVENESS_TIMEOUT_S": "60"}
+# Chat: the shipped tool template, hermes tool calls and qwen3 <think> spans (tests/api/
+# test_tools.py, test_chat_template.py); other tests' outputs are the same with them.
+STACK_ENV = {"PAGODA_LIVENESS_TIMEOUT_S": "60", "PAGODA_CHAT_TEMPLATE": "hermes_tools",
+             "PAGODA_TOOL_CALL_PARSER": "hermes", "PAGODA_REASONING_PARSER": "qwen3"}
 
 
 def _free_port() -> int:
