@@ -95,6 +95,14 @@ def test_in_place_and_ties_kept_whole():
     assert got is x and torch.equal(got, expected)
     assert (got > float("-inf")).sum(-1).tolist() == [4, 4]
 
+    # -0.0 and 0.0 compare equal: a tie group like any other.
+    x = torch.tensor([[1.0, 0.0, -0.0, -1.0, 0.0, -2.0]] * 2, device=DEVICE)
+    top_k = torch.tensor([2, 6], device=DEVICE)
+    top_p = torch.tensor([math.inf, 0.5], device=DEVICE)
+    got = top_k_top_p(x, top_k, top_p, block=BLOCK)
+    assert torch.equal(got, top_k_top_p_reference(x, top_k, top_p))
+    assert (got > float("-inf")).sum(-1).tolist() == [4, 4]
+
 
 def sampling_rows(num_rows: int, vocab: int) -> list[SamplingRow]:
     rows = []

@@ -16,37 +16,43 @@ sort happens to split a tie group at the top-p edge.
 
 How (one program per row, the row read from L2 pass after pass, never sorted): logits are
 mapped to int32 keys of the same order (the float's bits, negatives with the magnitude bits
-flipped), so that a threshold is found exactly by bisection over the integers between the row's
-smallest and largest key, at most 32 passes for each filter:
+flipped and -0 joined to 0), so that a threshold is found exactly by a search over the
+integers between the row's smallest and largest key; each pass tests 16 evenly spaced pivots
+at once, so the range shrinks 16-fold a pass and 8 passes cover 2**32 keys:
   top-k: the largest key t with count(key >= t) >= k, which is the k-th largest logit;
   top-p: the smallest key t with sum(exp(x - max) over keys > t, top-k kept) < p * Z, Z the
          sum over all top-k kept; every logit with a key >= t is kept.
-A last pass writes the mask. Rows without a limit skip their search.
+One pass before finds the row's range, one between sums Z, a last one writes the mask: about 20
+passes with both filters. Rows without a limit skip their search.
 """
 import torch
 import triton
 import triton.language as tl
 
-_MAX_BLOCK = 4096
+_MAX_BLOCK = 1024  # lanes per pass; each holds SPLITS comparisons of its logit
+_SPLITS = 16  # pivots per pass of a threshold search: 2**32 keys in 8 passes
 
 
 @triton.jit
 def _order_key(x):
-    """float32 -> int32 with the same order (as signed integers): -inf < ... < -0 < 0 < +inf."""
+    """float32 -> int32 with the same order (as signed integers): -inf < ... < -0 == 0 < +inf
+    (negatives: the magnitude bits flipped, then one up, so that -0 and 0 tie as they compare)."""
     bits = x.to(tl.int32, bitcast=True)
-    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    return tl.where(bits >= 0, bits, (bits ^ 0x7FFFFFFF) + 1)
 
 
 @triton.jit
 def _top_k_top_p_kernel(x_ptr, out_ptr, top_k_ptr, top_p_ptr, vocab_size, x_stride, out_stride,
-                        HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, BLOCK: tl.constexpr):
+                        HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, BLOCK: tl.constexpr,
+                        SPLITS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_stride
     cols = tl.arange(0, BLOCK)
+    splits = tl.arange(0, SPLITS).to(tl.int64)
     int32_min = -2147483648
     int32_max = 2147483647
 
-    # Pass 1: the row's smallest and largest keys (and the max, for exp below).
+    # Pass 1: the row's smallest and largest keys.
     lo_acc = tl.full([BLOCK], int32_max, tl.int32)
     hi_acc = tl.full([BLOCK], int32_min, tl.int32)
     for start in range(0, vocab_size, BLOCK):
@@ -57,7 +63,9 @@ def _top_k_top_p_kernel(x_ptr, out_ptr, top_k_ptr, top_p_ptr, vocab_size, x_stri
     key_min = tl.min(lo_acc, axis=0).to(tl.int64)
     key_max = tl.max(hi_acc, axis=0).to(tl.int64)
 
-    # Top-k: the largest t in [key_min, key_max] with count(key >= t) >= k (count(key_min) = V).
+    # Top-k: the largest t in [key_min, key_max] with count(key >= t) >= k. Each pass counts at
+    # SPLITS evenly spaced pivots lo + j * step (pivot 0 = lo keeps count >= k) and keeps the
+    # stretch after the last pivot that still counts k: the range shrinks SPLITS-fold a pass.
     kth = key_min
     if HAS_TOP_K:
         k = tl.load(top_k_ptr + row)
@@ -65,16 +73,19 @@ def _top_k_top_p_kernel(x_ptr, out_ptr, top_k_ptr, top_p_ptr, vocab_size, x_stri
             lo = key_min
             hi = key_max
             while lo < hi:
-                mid = lo + (hi - lo + 1) // 2
-                count = tl.zeros([BLOCK], tl.int32)
+                step = (hi - lo + SPLITS) // SPLITS  # ceil((hi - lo + 1) / SPLITS)
+                pivots = lo + splits * step
+                valid = pivots <= hi
+                count = tl.zeros([SPLITS], tl.int32)
                 for start in range(0, vocab_size, BLOCK):
                     mask = start + cols < vocab_size
                     key = _order_key(tl.load(x_row + start + cols, mask=mask, other=0.0))
-                    count += (mask & (key.to(tl.int64) >= mid)).to(tl.int32)
-                if tl.sum(count, axis=0) >= k:
-                    lo = mid
-                else:
-                    hi = mid - 1
+                    above = mask[None, :] & (key.to(tl.int64)[None, :] >= pivots[:, None])
+                    count += tl.sum(above.to(tl.int32), axis=1)
+                # Counts fall as the pivots rise: the pivots that still count k come first.
+                last = tl.sum((valid & (count >= k)).to(tl.int64), axis=0) - 1
+                lo = lo + last * step
+                hi = tl.minimum(hi, lo + step - 1)
             kth = lo
 
     threshold = kth
@@ -82,7 +93,7 @@ def _top_k_top_p_kernel(x_ptr, out_ptr, top_k_ptr, top_p_ptr, vocab_size, x_stri
         p = tl.load(top_p_ptr + row)
         if p < 1.0:
             # The row's largest logit, back from its key (its exp is 1: nothing overflows).
-            x_max_bits = tl.where(key_max >= 0, key_max, key_max ^ 0x7FFFFFFF).to(tl.int32)
+            x_max_bits = tl.where(key_max >= 0, key_max, (key_max - 1) ^ 0x7FFFFFFF).to(tl.int32)
             x_max = x_max_bits.to(tl.float32, bitcast=True)
             total = tl.zeros([BLOCK], tl.float32)
             for start in range(0, vocab_size, BLOCK):
@@ -91,22 +102,33 @@ def _top_k_top_p_kernel(x_ptr, out_ptr, top_k_ptr, top_p_ptr, vocab_size, x_stri
                 kept = mask & (_order_key(x).to(tl.int64) >= kth)
                 total += tl.where(kept, tl.exp(x - x_max), 0.0)
             target = p * tl.sum(total, axis=0)
-            # The smallest t in [kth, key_max] whose mass strictly above is below p * Z (at
-            # key_max the mass above is 0).
+            # The smallest t in [kth, key_max] whose mass strictly above (among the top-k kept)
+            # is below p * Z; at key_max the mass above is 0. The mass falls as t rises (sums
+            # of fewer non-negative terms, rounded monotonically), so the pivots where it is
+            # still >= the target come first, and the answer lies just past the last of them.
             lo = kth
             hi = key_max
             while lo < hi:
-                mid = lo + (hi - lo) // 2
-                above = tl.zeros([BLOCK], tl.float32)
+                step = (hi - lo + SPLITS) // SPLITS
+                pivots = lo + splits * step
+                valid = pivots <= hi
+                mass = tl.zeros([SPLITS], tl.float32)
                 for start in range(0, vocab_size, BLOCK):
                     mask = start + cols < vocab_size
                     x = tl.load(x_row + start + cols, mask=mask, other=float("-inf"))
                     key = _order_key(x).to(tl.int64)
-                    above += tl.where(mask & (key > mid) & (key >= kth), tl.exp(x - x_max), 0.0)
-                if tl.sum(above, axis=0) < target:
-                    hi = mid
+                    e = tl.where(mask & (key >= kth), tl.exp(x - x_max), 0.0)
+                    mass += tl.sum(tl.where(key[None, :] > pivots[:, None], e[None, :], 0.0),
+                                   axis=1)
+                reach = tl.sum((valid & (mass >= target)).to(tl.int64), axis=0)
+                if reach == 0:
+                    hi = lo  # the mass above lo is below the target already
                 else:
-                    lo = mid + 1
+                    num_valid = tl.sum(valid.to(tl.int64), axis=0)
+                    new_lo = lo + (reach - 1) * step + 1
+                    if reach < num_valid:
+                        hi = lo + reach * step
+                    lo = new_lo
             threshold = lo
 
     # Last pass: the mask (in place is safe: each element is read and written by one lane).
@@ -148,7 +170,8 @@ def top_k_top_p(x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor
     _top_k_top_p_kernel[(num_rows,)](
         x, out, top_k if top_k is not None else x, top_p if top_p is not None else x,
         vocab_size, x.stride(0), out.stride(0), HAS_TOP_K=top_k is not None,
-        HAS_TOP_P=top_p is not None, BLOCK=block, num_warps=8 if block >= 2048 else 4)
+        HAS_TOP_P=top_p is not None, BLOCK=block, SPLITS=_SPLITS,
+        num_warps=8 if block >= 1024 else 4)
     return out
 
 

@@ -7,6 +7,7 @@ from .kernel_inputs import (kv_write_inputs, norm_inputs, paged_cache, prefill_i
 from .kernel_timing import time_decode_attention, time_elementwise, time_prefill_attention
 from .measure import device_generator, guarded_row, guarded_rows
 from .report import Row, Run, log
+from .sampling_checks import check_top_k_top_p, time_top_k_top_p
 
 # Tolerances of tests/test_triton_attention.py against the fp32 reference.
 ATTENTION_TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
@@ -20,7 +21,8 @@ def section_kernels(run: Run, device) -> list:
     for name, check in (("paged_decode_attention", check_decode_attention),
                         ("prefill_attention", check_prefill_attention),
                         ("write_kv_cache", check_write_kv_cache),
-                        ("rms_norm", check_rms_norm), ("rotary_", check_rotary)):
+                        ("rms_norm", check_rms_norm), ("rotary_", check_rotary),
+                        ("top_k_top_p", check_top_k_top_p)):
         rows.append(guarded_row(run, "kernels", f"{name}: correctness",
                                 lambda check=check: check(run, device, dtype)))
     rows += guarded_rows(run, "kernels", "decode attention: timing",
@@ -29,6 +31,8 @@ def section_kernels(run: Run, device) -> list:
                          lambda: time_prefill_attention(run, device, dtype, raw))
     rows += guarded_rows(run, "kernels", "element-wise kernels: timing",
                          lambda: time_elementwise(run, device, dtype, raw))
+    rows += guarded_rows(run, "kernels", "top-k / top-p: timing",
+                         lambda: time_top_k_top_p(run, device, dtype, raw))
     return rows
 
 

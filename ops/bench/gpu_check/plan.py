@@ -63,6 +63,8 @@ class Plan:
     prefill_timings: list  # [(query_lens, context_lens)]
     elementwise_tokens: int
     hidden: int
+    sampling_batches: list  # rows of the top-k / top-p kernel's check (the largest) and timings
+    sampling_vocab: int
     # parity
     parity_cases: list  # [(architecture, dtype name)]
     parity_config: dict  # size of the random models (config kwargs)
@@ -99,6 +101,7 @@ def cuda_plan(quick: bool) -> Plan:
         prefill_check=([1, 300, 1024, 77], [4000, 0, 2048, 513]),
         prefill_timings=[([2048] * 8, [0] * 8), ([512] * 4, [16384] * 4)],
         elementwise_tokens=16384, hidden=4096,
+        sampling_batches=[1, 64, 256], sampling_vocab=128256,
         parity_cases=([("llama", "float32"), ("qwen2", "bfloat16")] if quick else
                       [("llama", "float32"), ("llama", "bfloat16"), ("qwen2", "float32"),
                        ("qwen2", "bfloat16")]),
@@ -124,6 +127,7 @@ def cpu_plan() -> Plan:
         prefill_check=([1, 9, 20], [17, 0, 30]),
         prefill_timings=[([16, 16], [0, 0])],
         elementwise_tokens=8, hidden=128,
+        sampling_batches=[2], sampling_vocab=300,
         parity_cases=[("llama", "float32"), ("qwen2", "bfloat16")],
         parity_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
