@@ -55,7 +55,7 @@ def test_the_smoke_mode_runs_every_section_on_the_cpu(tmp_path):
         assert checks[f"{kernel}: correctness"]["verdict"] == "ok"
     assert checks["serve"]["verdict"] == "skipped"
     # No graphs on the CPU: both modes run eagerly, so their tokens must be identical.
-    assert checks["greedy tokens, graphs vs --enforce-eager"]["result"].startswith(
+    assert checks["greedy tokens, graphs vs eager"]["result"].startswith(
         "2 sequences: 2 identical")
     assert (tmp_path / "gpu_check.md").read_text().count("\n| ") == len(rows) + 1
     assert "| throughput | tiny pagoda / transformers" in done.stdout  # the printed table
