@@ -76,11 +76,13 @@ def _top_k_top_p_kernel(x_ptr, out_ptr, top_k_ptr, top_p_ptr, vocab_size, x_stri
                 step = (hi - lo + SPLITS) // SPLITS  # ceil((hi - lo + 1) / SPLITS)
                 pivots = lo + splits * step
                 valid = pivots <= hi
+                # Compared in int32 (fewer registers): pivots past hi are clamped, and ignored.
+                pivots32 = tl.minimum(pivots, hi).to(tl.int32)
                 count = tl.zeros([SPLITS], tl.int32)
                 for start in range(0, vocab_size, BLOCK):
                     mask = start + cols < vocab_size
                     key = _order_key(tl.load(x_row + start + cols, mask=mask, other=0.0))
-                    above = mask[None, :] & (key.to(tl.int64)[None, :] >= pivots[:, None])
+                    above = mask[None, :] & (key[None, :] >= pivots32[:, None])
                     count += tl.sum(above.to(tl.int32), axis=1)
                 # Counts fall as the pivots rise: the pivots that still count k come first.
                 last = tl.sum((valid & (count >= k)).to(tl.int64), axis=0) - 1
@@ -112,13 +114,14 @@ def _top_k_top_p_kernel(x_ptr, out_ptr, top_k_ptr, top_p_ptr, vocab_size, x_stri
                 step = (hi - lo + SPLITS) // SPLITS
                 pivots = lo + splits * step
                 valid = pivots <= hi
+                pivots32 = tl.minimum(pivots, hi).to(tl.int32)
                 mass = tl.zeros([SPLITS], tl.float32)
                 for start in range(0, vocab_size, BLOCK):
                     mask = start + cols < vocab_size
                     x = tl.load(x_row + start + cols, mask=mask, other=float("-inf"))
-                    key = _order_key(x).to(tl.int64)
-                    e = tl.where(mask & (key >= kth), tl.exp(x - x_max), 0.0)
-                    mass += tl.sum(tl.where(key[None, :] > pivots[:, None], e[None, :], 0.0),
+                    key = _order_key(x)
+                    e = tl.where(mask & (key.to(tl.int64) >= kth), tl.exp(x - x_max), 0.0)
+                    mass += tl.sum(tl.where(key[None, :] > pivots32[:, None], e[None, :], 0.0),
                                    axis=1)
                 reach = tl.sum((valid & (mass >= target)).to(tl.int64), axis=0)
                 if reach == 0:
