@@ -22,6 +22,10 @@ ENGINE_ARGS = {"kv_cache_space_gib": 0.25, "max_model_len": MAX_MODEL_LEN, "max_
 STACK_ENV = {"PAGODA_LIVENESS_TIMEOUT_S": "60", "PAGODA_CHAT_TEMPLATE": "hermes_tools",
              "PAGODA_TOOL_CALL_PARSER": "hermes", "PAGODA_REASONING_PARSER": "qwen3"}
 
+# A second name for the model (--served-model-name MODEL MODEL_ALIAS): requests may use either.
+MODEL_ALIAS = "pagoda-test-alias"
+STACK_ENV["PAGODA_SERVED_MODEL_NAME"] = f"{MODEL} {MODEL_ALIAS}"
+
 
 def _free_port() -> int:
     with socket.socket() as s:

@@ -1,0 +1,234 @@
+"""vLLM's request extensions and OpenAI's remaining request fields, against the session stack:
+each changes the output as vLLM's and OpenAI's docs say, and a bad value is a 400 naming it."""
+import json
+
+import openai
+import pytest
+
+from tests.api.conftest import MAX_MODEL_LEN, MODEL
+
+PROMPT = "The capital of France is"
+# A chat turn written out as the model's own format, so that the model ends it with its
+# end-of-turn token whatever chat template the stack serves.
+CHAT_TURN = ("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
+             "<|im_start|>assistant\n")
+GREEDY = {"temperature": 0.0}
+
+
+def complete(http, **body) -> dict:
+    r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, **GREEDY, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def tokenize(http, prompt: str) -> list[int]:
+    r = http.post("/tokenize", json={"prompt": prompt})
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(client):
+    text = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, **GREEDY).choices[0].text
+    words = text.split()
+    assert len(words) >= 2, text
+    stop = words[1]
+    cut = text.index(stop)
+    without = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, stop=[stop], **GREEDY)
+    with_stop = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, stop=[stop],
+                                          extra_body={"include_stop_str_in_output": True},
+                                          **GREEDY)
+    assert without.choices[0].text == text[:cut]
+    assert with_stop.choices[0].text == text[:cut + len(stop)]
+    assert with_stop.choices[0].finish_reason == "stop"
+
+
+def test_min_tokens_holds_off_a_stop_token(http):
+    natural = complete(http, max_tokens=8, return_token_ids=True)["choices"][0]["token_ids"]
+    stop_id = natural[1]  # the greedy output's second token ends it at once...
+    stopped = complete(http, max_tokens=8, stop_token_ids=[stop_id])
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    assert stopped["usage"]["completion_tokens"] == 2
+    # ... until min_tokens have been generated.
+    held = complete(http, max_tokens=8, min_tokens=6, stop_token_ids=[stop_id])
+    assert held["usage"]["completion_tokens"] >= 6
+
+
+def test_skip_special_tokens_decides_whether_the_end_of_turn_token_shows(http):
+    body = {"prompt": CHAT_TURN, "max_tokens": 14, "ignore_eos": True, "return_token_ids": True}
+    shown = complete(http, skip_special_tokens=False, **body)["choices"][0]
+    hidden = complete(http, **body)["choices"][0]
+    end_of_turn = tokenize(http, "<|im_end|>")
+    assert len(end_of_turn) == 1 and end_of_turn[0] in shown["token_ids"]
+    assert shown["token_ids"] == hidden["token_ids"]
+    assert "<|im_end|>" in shown["text"]
+    assert "<|im_end|>" not in hidden["text"] and hidden["text"]
+
+
+def test_return_token_ids_match_tokenize_and_detokenize(http):
+    out = complete(http, return_token_ids=True, max_tokens=5)
+    choice = out["choices"][0]
+    assert choice["prompt_token_ids"] == tokenize(http, PROMPT)
+    assert len(choice["token_ids"]) == out["usage"]["completion_tokens"] == 5
+    text = http.post("/detokenize", json={"tokens": choice["token_ids"]}).json()["prompt"]
+    assert text == choice["text"]
+    assert "token_ids" not in complete(http)["choices"][0]  # only when asked
+
+    messages = [{"role": "user", "content": "Name a colour."}]
+    chat = http.post("/v1/chat/completions", json={
+        "messages": messages, "max_tokens": 3, "return_token_ids": True, **GREEDY}).json()
+    expected = http.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    assert chat["prompt_token_ids"] == expected
+    assert chat["usage"]["prompt_tokens"] == len(expected)
+    assert len(chat["choices"][0]["token_ids"]) == chat["usage"]["completion_tokens"]
+
+
+def test_return_token_ids_streamed(http):
+    ids, prompt_ids, text = [], None, ""
+    with http.stream("POST", "/v1/completions", json={
+            "prompt": PROMPT, "max_tokens": 4, "stream": True, "return_token_ids": True,
+            **GREEDY}) as r:
+        for chunk in _events(r):
+            for choice in chunk["choices"]:
+                prompt_ids = prompt_ids or choice.get("prompt_token_ids")
+                ids += choice["token_ids"]
+                text += choice["text"]
+    assert prompt_ids == tokenize(http, PROMPT)
+    assert len(ids) == 4
+    assert http.post("/detokenize", json={"tokens": ids}).json()["prompt"] == text
+
+
+def test_prompt_logprobs_cover_the_prompt_with_the_first_null(http):
+    prompt = PROMPT + " Paris"
+    out = complete(http, prompt=prompt, prompt_logprobs=2, max_tokens=1)
+    ids = tokenize(http, prompt)
+    plp = out["choices"][0]["prompt_logprobs"]
+    assert len(plp) == len(ids) == out["usage"]["prompt_tokens"]
+    assert plp[0] is None
+    for pos in range(1, len(ids)):
+        entry = plp[pos]
+        assert str(ids[pos]) in entry and 2 <= len(entry) <= 3
+        top = sorted((v for k, v in entry.items() if v["rank"] is not None),
+                     key=lambda v: v["rank"])
+        assert [v["rank"] for v in top][:2] == [1, 2]
+        assert all(v["logprob"] <= 0 for v in entry.values())
+        assert top[0]["logprob"] >= max(v["logprob"] for v in entry.values())
+    # The prompt's last token scores as the same token does when it is generated next.
+    generated = complete(http, logprobs=0, max_tokens=1)["choices"][0]["logprobs"]
+    last = plp[-1][str(ids[-1])]
+    assert last["decoded_token"] == generated["tokens"][0] == " Paris"
+    assert last["logprob"] == pytest.approx(generated["token_logprobs"][0], abs=2e-3)
+
+    chat = http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "prompt_logprobs": 0,
+        **GREEDY}).json()
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    assert chat["prompt_logprobs"][0] is None
+    assert all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
+
+
+def test_echo_with_logprobs_returns_the_prompt_tokens_logprobs(client):
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, echo=True, logprobs=1, **GREEDY)
+    choice, usage = out.choices[0], out.usage
+    lp = choice.logprobs
+    assert choice.text.startswith(PROMPT)
+    assert len(lp.tokens) == usage.prompt_tokens + usage.completion_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    assert "".join(lp.tokens[:usage.prompt_tokens]) == PROMPT
+    assert "".join(lp.tokens) == choice.text
+    assert lp.text_offset == [sum(map(len, lp.tokens[:k])) for k in range(len(lp.tokens))]
+
+
+def test_continuous_usage_stats_put_usage_in_every_chunk(http):
+    def usages(options: dict) -> list:
+        with http.stream("POST", "/v1/completions", json={
+                "prompt": PROMPT, "max_tokens": 4, "stream": True,
+                "stream_options": options, **GREEDY}) as r:
+            return [(bool(c["choices"]), c.get("usage")) for c in _events(r)]
+
+    every = usages({"include_usage": True, "continuous_usage_stats": True})
+    with_text = [u for has_choices, u in every if has_choices]
+    assert len(with_text) >= 2 and all(u is not None for u in with_text)
+    counts = [u["completion_tokens"] for u in with_text]
+    assert counts == sorted(counts) and counts[-1] == 4
+    assert all(u["prompt_tokens"] == with_text[0]["prompt_tokens"] > 0 for u in with_text)
+    assert every[-1] == (False, with_text[-1])  # the final usage chunk
+    final_only = usages({"include_usage": True})
+    assert all(u is None for has_choices, u in final_only if has_choices)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(http):
+    prompt = "One two three four five six seven eight nine ten eleven twelve"
+    ids = tokenize(http, prompt)
+    assert len(ids) > 6
+    out = complete(http, prompt=prompt, truncate_prompt_tokens=4, return_token_ids=True)
+    assert out["usage"]["prompt_tokens"] == 4
+    assert out["choices"][0]["prompt_token_ids"] == ids[-4:]
+    chat = http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": prompt}], "max_tokens": 1,
+        "truncate_prompt_tokens": 5}).json()
+    assert chat["usage"]["prompt_tokens"] == 5
+
+
+def test_best_of_returns_the_samples_with_the_highest_logprob(http):
+    sampled = {"temperature": 1.0, "seed": 1234, "max_tokens": 4, "logprobs": 0}
+    # Seeded, sample j of a request draws the same tokens whatever n is: these are the three
+    # candidates best_of=3 chooses from.
+    three = complete(http, n=3, **sampled)["choices"]
+    candidates = sorted(((sum(c["logprobs"]["token_logprobs"]), c["text"]) for c in three),
+                        reverse=True)
+    best = complete(http, best_of=3, **sampled)
+    assert [c["text"] for c in best["choices"]] == [candidates[0][1]]
+    assert best["usage"]["completion_tokens"] == 12  # all three were generated
+    best_two = complete(http, best_of=3, n=2, **sampled)["choices"]
+    assert [c["index"] for c in best_two] == [0, 1]
+    assert [c["text"] for c in best_two] == [t for _, t in candidates[:2]]
+    no_logprobs = dict(sampled, logprobs=None)
+    assert complete(http, best_of=3, **no_logprobs)["choices"][0]["logprobs"] is None
+
+
+def test_user_is_accepted_and_ignored(client):
+    a = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, user="someone", **GREEDY)
+    b = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, **GREEDY)
+    assert a.choices[0].text == b.choices[0].text
+
+
+@pytest.mark.parametrize("endpoint, body, param", [
+    ("completions", {"logprobs": 21}, "logprobs"),
+    ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("completions", {"prompt_logprobs": 21}, "prompt_logprobs"),
+    ("chat", {"prompt_logprobs": -1}, "prompt_logprobs"),
+    ("completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ("completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+    ("chat", {"stream_options": {"continuous_usage_stats": True}}, "stream_options"),
+    ("completions", {"best_of": 1, "n": 2}, "best_of"),
+    ("completions", {"best_of": 2, "stream": True}, "best_of"),
+    ("completions", {"suffix": " and so on"}, "suffix"),
+    ("completions", {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ("chat", {"truncate_prompt_tokens": MAX_MODEL_LEN + 1}, "truncate_prompt_tokens"),
+    ("completions", {"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    ("completions", {"use_beam_search": True}, "use_beam_search"),
+    ("chat", {"priority": 1}, "priority"),
+    ("completions", {"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+    ("completions", {"frobnicate": 1}, "frobnicate"),
+    ("chat", {"frobnicate": 1}, "frobnicate"),
+])
+def test_bad_values_are_400s_naming_the_field(http, endpoint, body, param):
+    path, base = (("/v1/completions", {"prompt": PROMPT}) if endpoint == "completions" else
+                  ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}))
+    r = http.post(path, json={**base, "max_tokens": 2, **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and param in error["message"]
+
+
+def test_openai_client_sees_a_refusal_as_bad_request(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, suffix="!")
+    assert "fill-in-the-middle" in err.value.message
+
+
+def _events(response):
+    for line in response.iter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[len("data: "):])
