@@ -1,9 +1,10 @@
 """CUDA graphs for decode steps (services/worker/cuda_graphs.py): the parts that need no GPU.
 The capture and replay themselves need a GPU (ops/bench/gpu_check's "cuda graphs" section
 checks them there, against --enforce-eager); here: the batch sizes captured and the padding a
-step gets, the persistent buffers' layout and filling, and the forward a graph captures run on
-the CPU (Triton's interpreter) over padded buffers, which must give the eager step's rows and
-write nothing for its padding rows."""
+step gets, the persistent buffers' layout and filling, the forward a graph captures run on the
+CPU (Triton's interpreter) over padded buffers, which must give the eager step's rows and write
+nothing for its padding rows, and the whole engine with a stand-in for the capture."""
+import contextlib
 import os
 
 import torch
@@ -147,4 +148,77 @@ def test_the_captured_forward_over_padded_buffers_gives_the_eager_rows(tmp_path,
     torch.testing.assert_close(padded[:3], eager, rtol=1e-5, atol=1e-5)
     for (k, v), (k1, v1) in zip(caches, after_eager):  # the padding row wrote nothing
         assert torch.equal(k, k1) and torch.equal(v, v1)
+
+
+
+class StandInGraph:
+    """torch.cuda.CUDAGraph's place on the CPU: `replay` re-runs the forward that was captured
+    into the tensor the capture returned (the test sets it up after capture). A real capture
+    needs a GPU."""
+    replays = 0
+
+    def __init__(self):
+        self.rerun = None
+
+    def replay(self):
+        StandInGraph.replays += 1
+        self.rerun()
+
+
+@contextlib.contextmanager
+def stand_in_capture(graph, pool=None):
+    yield
+
+
+def test_the_engine_on_stand_in_graphs_gives_the_eager_tokens(tmp_path, monkeypatch):
+    """The whole path on the CPU: the worker captures after the cache (graphs forced on, a
+    stand-in for the capture), decode steps of 3, 2 and 1 sequences replay the sizes 4, 2 and 1
+    through ModelRunner.execute_model, prefill steps run eagerly; the greedy tokens equal those
+    of an engine without graphs."""
+    pytest.importorskip("triton")
+    from ops.bench.gpu_check.random_models import word_tokenizer
+    from pagoda import LLM, SamplingParams
+    from services.worker import worker as worker_module
+    from tests.helpers import save_random_model, tiny_llama_config
+    hf_config = tiny_llama_config(num_hidden_layers=2, max_position_embeddings=128)
+    save_random_model(hf_config, tmp_path)
+    word_tokenizer(hf_config.vocab_size).save_pretrained(tmp_path)
+    prompts = [[5, 17, 200, 3, 9], [250, 1, 2, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 40],
+               [77, 78]]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 5, 7)]
+
+    def generate():
+        llm = LLM(model=str(tmp_path), device="cpu", attention_backend="triton",
+                  num_gpu_blocks_override=32, max_num_seqs=4)
+        graphs = llm.llm_engine.executor.worker.model_runner.decode_graphs
+        if graphs is not None:
+            for size, (graph, hidden) in graphs.graphs.items():
+                meta = graphs.buffers.metadata(size, graphs.max_model_len, graphs.block_size)
+                graph.rerun = (lambda size=size, hidden=hidden, meta=meta: hidden.copy_(
+                    graphs.model(graphs.buffers.input_ids[:size],
+                                 graphs.buffers.positions[:size], graphs.kv_caches, meta)))
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs], graphs
+
+    eager, _ = generate()
+    monkeypatch.setattr(worker_module, "graphs_apply", lambda *args: True)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", StandInGraph)
+    monkeypatch.setattr(torch.cuda, "graph", stand_in_capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    replayed = []
+    fill = DecodeInputBuffers.fill
+
+    def counted_fill(self, input_ids, positions, meta, batch_size):
+        replayed.append((meta.num_decode_tokens, batch_size))
+        fill(self, input_ids, positions, meta, batch_size)
+    monkeypatch.setattr(DecodeInputBuffers, "fill", counted_fill)
+    StandInGraph.replays = 0
+    with_graphs, graphs = generate()
+    assert sorted(graphs.graphs) == [1, 2, 4]
+    assert with_graphs == eager
+    # 2 decode steps of 3 sequences, 2 of 2, 2 of 1 (the first token comes from the prefill).
+    assert replayed == [(3, 4)] * 2 + [(2, 2)] * 2 + [(1, 1)] * 2
+    assert StandInGraph.replays == len(replayed)
 
