@@ -21,6 +21,7 @@ from kernels import reference  # noqa: E402
 from kernels.triton.kv_cache import write_kv_cache  # noqa: E402
 from kernels.triton.norm import rms_norm  # noqa: E402
 from kernels.triton.rotary import rotary_  # noqa: E402
+from services.worker.models import llama  # noqa: E402
 from services.worker.models.llama import RMSNorm, RotaryEmbedding  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -39,8 +40,10 @@ def bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 @pytest.fixture
 def torch_path(monkeypatch):
     """The model's modules on their torch code: the compiled CPU kernels (which would otherwise
-    run on CPU tensors) switched off."""
+    run on CPU tensors) and the Triton kernels (which the modules take on CUDA tensors) switched
+    off."""
     monkeypatch.setattr(cpu_kernels, "available_for", lambda x: False)
+    monkeypatch.setattr(llama, "TRITON_ELEMENTWISE", False)
 
 
 def generator(seed: int) -> torch.Generator:
