@@ -121,7 +121,16 @@ class Worker:
         graphs = DecodeGraphs(runner.model, runner.kv_caches, sizes,
                               self.config.model_config.max_model_len,
                               self.config.cache_config.block_size, self.device)
-        graphs.capture()
+        try:
+            graphs.capture()
+        except Exception as e:  # a worker that serves eagerly beats one that cannot start
+            log.warning("decode graph capture failed; decode steps run eagerly",
+                        error=f"{type(e).__name__}: {e}")
+            graphs = None  # its half-made graphs and their pool go with it
+            gc.collect()
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            return
         runner.decode_graphs = graphs
         log.info("decode graphs captured", batch_sizes=f"{sizes[0]}-{sizes[-1]}",
                  num_graphs=len(sizes), seconds=round(time.perf_counter() - start, 1),
