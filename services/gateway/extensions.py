@@ -170,7 +170,9 @@ def best_of_order(cumulative: list[float], n: int) -> list[int]:
     return sorted(range(len(cumulative)), key=lambda k: -cumulative[k])[:n]
 
 
-def usage_so_far(out: RequestOutput) -> UsageInfo:
-    """One engine request's usage up to this output (continuous_usage_stats)."""
-    p, c = out.num_prompt_tokens or 0, out.num_output_tokens or 0
+def usage_so_far(out: RequestOutput, with_output: bool = True) -> UsageInfo:
+    """One engine request's usage up to this output (continuous_usage_stats); without its
+    output tokens for a chunk sent before them."""
+    p = out.num_prompt_tokens or 0
+    c = (out.num_output_tokens or 0) if with_output else 0
     return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)

@@ -518,11 +518,12 @@ class ChatServing(OpenAIServing):
             return parts
 
         def chunk(choice: ChatCompletionStreamChoice, out: RequestOutput | None = None,
-                  **parts) -> str:
+                  opening: bool = False, **parts) -> str:
             data = ChatCompletionChunk(id=response_id, created=created, model=self.model_name,
                                        choices=[choice], **parts)
             if continuous_usage and out is not None:
-                data.usage = usage_so_far(out)
+                # An opening chunk (the role, an echo) comes before any output token.
+                data.usage = usage_so_far(out, with_output=not opening)
             return sse_event(_chunk_dict(data, include_usage))
 
         def events_of(_: int, out: RequestOutput) -> Iterator[str]:
@@ -548,12 +549,12 @@ class ChatServing(OpenAIServing):
             # Each choice opens with the assistant's role, as OpenAI's streams do.
             opening = [chunk(ChatCompletionStreamChoice(
                 index=index, delta=DeltaMessage(role="assistant", content="")), first[1],
-                **prompt_parts(first[1])) for index in range(req.n)]
+                opening=True, **prompt_parts(first[1])) for index in range(req.n)]
             for index, cs in enumerate(choice_streams):
                 echo = cs.opening()
                 if echo is not None:
                     opening.append(chunk(ChatCompletionStreamChoice(
-                        index=index, delta=delta_message(echo)), first[1]))
+                        index=index, delta=delta_message(echo)), first[1], opening=True))
             return stream_events(first, streams, 1, events_of,
                                  usage_event if include_usage else None, opening)
 

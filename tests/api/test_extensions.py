@@ -54,7 +54,7 @@ def test_min_tokens_holds_off_a_stop_token(http):
 
 
 def test_skip_special_tokens_decides_whether_the_end_of_turn_token_shows(http):
-    body = {"prompt": CHAT_TURN, "max_tokens": 14, "ignore_eos": True, "return_token_ids": True}
+    body = {"prompt": CHAT_TURN, "max_tokens": 10, "ignore_eos": True, "return_token_ids": True}
     shown = complete(http, skip_special_tokens=False, **body)["choices"][0]
     hidden = complete(http, **body)["choices"][0]
     end_of_turn = tokenize(http, "<|im_end|>")
@@ -83,18 +83,23 @@ def test_return_token_ids_match_tokenize_and_detokenize(http):
 
 
 def test_return_token_ids_streamed(http):
-    ids, prompt_ids, text = [], None, ""
+    ids, prompt_ids, text, usages = [], None, "", []
     with http.stream("POST", "/v1/completions", json={
             "prompt": PROMPT, "max_tokens": 4, "stream": True, "return_token_ids": True,
-            **GREEDY}) as r:
+            "stream_options": {"include_usage": True}, **GREEDY}) as r:
         for chunk in _events(r):
             for choice in chunk["choices"]:
                 prompt_ids = prompt_ids or choice.get("prompt_token_ids")
                 ids += choice["token_ids"]
                 text += choice["text"]
+            usages.append((bool(chunk["choices"]), chunk["usage"]))
     assert prompt_ids == tokenize(http, PROMPT)
     assert len(ids) == 4
     assert http.post("/detokenize", json={"tokens": ids}).json()["prompt"] == text
+    # Without continuous_usage_stats only the final chunk has the usage.
+    assert all(u is None for has_choices, u in usages if has_choices)
+    assert usages[-1] == (False, {"prompt_tokens": len(prompt_ids), "completion_tokens": 4,
+                                  "total_tokens": len(prompt_ids) + 4})
 
 
 def test_prompt_logprobs_cover_the_prompt_with_the_first_null(http):
@@ -140,21 +145,25 @@ def test_echo_with_logprobs_returns_the_prompt_tokens_logprobs(client):
 
 
 def test_continuous_usage_stats_put_usage_in_every_chunk(http):
-    def usages(options: dict) -> list:
-        with http.stream("POST", "/v1/completions", json={
-                "prompt": PROMPT, "max_tokens": 4, "stream": True,
-                "stream_options": options, **GREEDY}) as r:
+    def usages(path: str, body: dict) -> list:
+        options = {"include_usage": True, "continuous_usage_stats": True}
+        with http.stream("POST", path, json={**body, "max_tokens": 4, "stream": True,
+                                             "stream_options": options, **GREEDY}) as r:
             return [(bool(c["choices"]), c.get("usage")) for c in _events(r)]
 
-    every = usages({"include_usage": True, "continuous_usage_stats": True})
-    with_text = [u for has_choices, u in every if has_choices]
-    assert len(with_text) >= 2 and all(u is not None for u in with_text)
-    counts = [u["completion_tokens"] for u in with_text]
-    assert counts == sorted(counts) and counts[-1] == 4
-    assert all(u["prompt_tokens"] == with_text[0]["prompt_tokens"] > 0 for u in with_text)
-    assert every[-1] == (False, with_text[-1])  # the final usage chunk
-    final_only = usages({"include_usage": True})
-    assert all(u is None for has_choices, u in final_only if has_choices)
+    for path, body in (("/v1/completions", {"prompt": PROMPT}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user",
+                                                               "content": "Hi"}]})):
+        every = usages(path, body)
+        with_choices = [u for has_choices, u in every if has_choices]
+        assert len(with_choices) >= 2 and all(u is not None for u in with_choices)
+        counts = [u["completion_tokens"] for u in with_choices]
+        assert counts == sorted(counts) and counts[-1] == 4
+        prompt_tokens = with_choices[0]["prompt_tokens"]
+        assert prompt_tokens > 0 and all(u["prompt_tokens"] == prompt_tokens
+                                         for u in with_choices)
+        assert every[-1] == (False, with_choices[-1])  # the final usage chunk
+    assert counts[0] == 0  # chat: the role chunk comes before any token
 
 
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(http):
@@ -183,8 +192,6 @@ def test_best_of_returns_the_samples_with_the_highest_logprob(http):
     best_two = complete(http, best_of=3, n=2, **sampled)["choices"]
     assert [c["index"] for c in best_two] == [0, 1]
     assert [c["text"] for c in best_two] == [t for _, t in candidates[:2]]
-    no_logprobs = dict(sampled, logprobs=None)
-    assert complete(http, best_of=3, **no_logprobs)["choices"][0]["logprobs"] is None
 
 
 def test_user_is_accepted_and_ignored(client):
