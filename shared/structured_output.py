@@ -67,18 +67,22 @@ class StructuredOutputsParams:
 
 # -- what xgrammar compiles ------------------------------------------------------------------------
 
+_MAX_WHITESPACE = 12  # characters between two JSON tokens
+
 def grammar_source(params: StructuredOutputsParams) -> tuple[str, str, tuple]:
     """(xgrammar source kind, its text, compile options as sorted (name, value) pairs): what the
     worker compiles and what `check_supported` parses. The triple is also the compile cache's key."""
     kind = params.kind
-    any_whitespace = not params.disable_any_whitespace
+    # Whitespace between JSON tokens: any (up to a newline and a 2-level indent: sampled at high
+    # temperature, unbounded whitespace can fill the whole max_tokens), or single spaces only.
+    whitespace = ((("any_whitespace", True), ("max_whitespace_cnt", _MAX_WHITESPACE))
+                  if not params.disable_any_whitespace else (("any_whitespace", False),))
     if kind == "json":
-        return "json_schema", params.json, (("any_whitespace", any_whitespace),)
+        return "json_schema", params.json, whitespace
     if kind == "json_object":
         # Not strict: any properties, while an object it must be (xgrammar's builtin JSON
         # grammar would also take arrays and scalars).
-        return "json_schema", '{"type":"object"}', (("any_whitespace", any_whitespace),
-                                                     ("strict_mode", False))
+        return "json_schema", '{"type":"object"}', whitespace + (("strict_mode", False),)
     if kind == "regex":
         return "regex", params.regex, ()
     if kind == "choice":
