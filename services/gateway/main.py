@@ -67,13 +67,19 @@ def served_model_names(flag: list[str] | None) -> list[str]:
 
 
 def _max_model_len(args: argparse.Namespace) -> int | None:
-    """The context length the engine will use (its flag, else the model's), for model cards
-    and /tokenize."""
-    try:
-        return EngineArgs.from_cli_args(args).create_engine_config().model_config.max_model_len
-    except Exception as e:  # the engine reports a bad configuration itself
-        log.warning("the model's context length is unknown", error=str(e))
+    """The context length the engine will use (its flag, else the model's, as EngineArgs
+    defaults it), for model cards and /tokenize. Read from the model's config alone: the
+    engine's whole configuration would probe the device from this process."""
+    if args.max_model_len is not None:
         return args.max_model_len
+    from shared.config import load_hf_config
+    from shared.model_source import resolve_model
+    try:
+        config = load_hf_config(resolve_model(args.model))
+    except Exception as e:  # the engine reports a bad model itself
+        log.warning("the model's context length is unknown", error=str(e))
+        return None
+    return getattr(config, "max_position_embeddings", None) or 2048
 
 
 def _chat_template(stack: StackConfig) -> str | None:
