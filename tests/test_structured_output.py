@@ -1,6 +1,7 @@
 """Structured output in the worker (xgrammar), logit_bias and allowed_token_ids, through the
 offline `LLM` on the default model: outputs follow their grammar at temperature 1, with n > 1
 and across preemption, and what xgrammar cannot honour is refused by name."""
+import contextlib
 import json
 import re
 
@@ -8,7 +9,7 @@ import jsonschema
 import pytest
 import torch
 
-from pagoda import LLM, SamplingParams
+from pagoda import SamplingParams
 from shared.sampling_params import SamplingParamsError
 from shared.structured_output import StructuredOutputsParams, check_supported
 from services.worker.grammar import GrammarMasker, feed, new_matcher
@@ -100,22 +101,32 @@ def test_a_rebuilt_matcher_gives_the_live_matchers_masks(llm):
     compiler.shutdown()
 
 
-@pytest.fixture(scope="module")
-def small_cache_llm():
-    return LLM(num_gpu_blocks_override=8, swap_space=0.05, preemption_mode="recompute")
+@contextlib.contextmanager
+def only_free_blocks(engine, num_blocks: int):
+    """Hold all but `num_blocks` free KV blocks (beyond the watermark) of `engine`, so that a few
+    growing sequences must preempt one another, without building an engine with a small cache."""
+    manager = engine.scheduler.block_manager
+    pool = manager.device_pool
+    held = [pool.allocate() for _ in range(pool.num_free - num_blocks - manager.watermark_blocks)]
+    try:
+        yield
+    finally:
+        for block in held:
+            pool.free(block)
 
 
-def test_a_preempted_constrained_request_resumes_on_its_grammar(small_cache_llm, llm):
-    engine = small_cache_llm.llm_engine
+def test_a_preempted_constrained_request_resumes_on_its_grammar(llm):
+    engine = llm.llm_engine
     before = engine.get_stats().num_preemptions.get("recompute", 0)
-    # Four requests of two samples each want 4 blocks apiece as they grow: 8 blocks preempt.
-    params = [person_params(n=2, seed=20 + i) for i in range(4)]
-    outputs = small_cache_llm.chat([PERSON_PROMPT] * 4, params, use_tqdm=False)
+    # Three requests of two samples: each sample wants 4-5 blocks as it grows.
+    params = [person_params(n=2, seed=20 + i) for i in range(3)]
+    with only_free_blocks(engine, 10):
+        outputs = llm.chat([PERSON_PROMPT] * 3, params, use_tqdm=False)
     assert engine.get_stats().num_preemptions["recompute"] > before
     assert_valid_people([c for o in outputs for c in o.outputs])
     # The rebuilt matchers gave the masks the live ones would have: the same tokens as without
     # preemption.
-    unpreempted = llm.chat([PERSON_PROMPT] * 4, params, use_tqdm=False)
+    unpreempted = llm.chat([PERSON_PROMPT] * 3, params, use_tqdm=False)
     assert ([[c.token_ids for c in o.outputs] for o in outputs]
             == [[c.token_ids for c in o.outputs] for o in unpreempted])
 
