@@ -29,7 +29,6 @@ REFUSED_VLLM_FIELDS = {
     "bad_words": (None, "bad_words is not supported (use logit_bias)"),
     "logits_processors": (None, "custom logits processors are not supported"),
     "priority": (0, "the scheduler serves requests first come, first served (priority 0)"),
-    "return_tokens_as_token_ids": (False, "return_tokens_as_token_ids is not supported"),
     "kv_transfer_params": (None, "disaggregated prefill (KV transfer) is not supported"),
     "vllm_xargs": (None, "vllm_xargs is not supported"),
 }
@@ -136,25 +135,32 @@ def vllm_prompt_logprobs(out: RequestOutput, k: int) -> list[dict | None] | None
     return result
 
 
-def echo_logprobs(out: RequestOutput) -> CompletionLogprobs:
+def token_names(texts: dict[int, str], as_ids: bool):
+    """How logprobs name a token: its text, or (vLLM's return_tokens_as_token_ids)
+    `token_id:<id>`, which stays unambiguous for tokens that are not whole characters."""
+    if as_ids:
+        return lambda t: f"token_id:{t}"
+    return lambda t: texts[t]
+
+
+def echo_logprobs(out: RequestOutput, as_ids: bool = False) -> CompletionLogprobs:
     """The prompt's part of an echoed completion's logprobs (legacy completions shape); the
-    first token has none, as in OpenAI's API."""
+    first token has none, as in OpenAI's API. `as_ids`: see `token_names`."""
     lp = CompletionLogprobs()
     offset = 0
-    for pos, token in enumerate(out.prompt_token_ids):
-        entry = out.prompt_logprobs[pos] if out.prompt_logprobs else None
-        texts = out.prompt_logprob_texts[pos] if out.prompt_logprob_texts else None
-        text = texts[token] if texts else ""
-        lp.tokens.append(text)
+    for token, entry, texts in zip(out.prompt_token_ids, out.prompt_logprobs,
+                                   out.prompt_logprob_texts):
+        name = token_names(texts, as_ids)
+        lp.tokens.append(name(token))
         lp.text_offset.append(offset)
-        offset += len(text)
+        offset += len(texts[token])
         if entry is None:
             lp.token_logprobs.append(None)
             lp.top_logprobs.append(None)
         else:
             lp.token_logprobs.append(entry[token])
-            lp.top_logprobs.append({texts[t]: v for t, v in sorted(entry.items(),
-                                                                   key=lambda kv: -kv[1])})
+            lp.top_logprobs.append({name(t): v for t, v in sorted(entry.items(),
+                                                                  key=lambda kv: -kv[1])})
     return lp
 
 

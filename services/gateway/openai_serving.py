@@ -22,7 +22,8 @@ from services.gateway.client import EngineRequestError
 from services.gateway.extensions import (ExtensionError, best_of_order, check_best_of,
                                          check_prompt_logprobs,
                                          check_refused, check_stream_options, echo_logprobs,
-                                         prompt_options, sampled_logprob_sum, usage_so_far,
+                                         prompt_options, sampled_logprob_sum, token_names,
+                                         usage_so_far,
                                          vllm_prompt_logprobs, with_extensions)
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.schemas import (ChatCompletionChunk, ChatCompletionChoice,
@@ -209,29 +210,31 @@ def completion_prompts(prompt) -> list[str | list[int]]:
 
 
 # -- outputs -> logprobs --------------------------------------------------------------------------
-def completion_logprobs(c: CompletionOutput, text_offset: int) -> tuple[CompletionLogprobs, int]:
-    """The legacy completions logprobs of a delta's tokens; offsets continue from `text_offset`."""
+def completion_logprobs(c: CompletionOutput, text_offset: int,
+                        as_ids: bool = False) -> tuple[CompletionLogprobs, int]:
+    """The legacy completions logprobs of a delta's tokens; offsets continue from `text_offset`.
+    `as_ids` (vLLM's return_tokens_as_token_ids): tokens named `token_id:<id>`."""
     lp = CompletionLogprobs()
     for k, token in enumerate(c.token_ids):
         logprobs, texts = c.logprobs[k], c.logprob_texts[k]
-        text = texts[token]
-        lp.tokens.append(text)
+        name, text = token_names(texts, as_ids), texts[token]
+        lp.tokens.append(name(token))
         lp.token_logprobs.append(logprobs[token])
-        lp.top_logprobs.append({texts[t]: v for t, v in sorted(logprobs.items(),
-                                                               key=lambda kv: -kv[1])})
+        lp.top_logprobs.append({name(t): v for t, v in sorted(logprobs.items(),
+                                                              key=lambda kv: -kv[1])})
         lp.text_offset.append(text_offset)
         text_offset += len(text)
     return lp, text_offset
 
 
-def chat_logprobs(c: CompletionOutput, top_n: int) -> list[TokenLogprob]:
+def chat_logprobs(c: CompletionOutput, top_n: int, as_ids: bool = False) -> list[TokenLogprob]:
     entries = []
     for k, token in enumerate(c.token_ids):
-        logprobs, texts = c.logprobs[k], c.logprob_texts[k]
+        logprobs, name = c.logprobs[k], token_names(c.logprob_texts[k], as_ids)
         top = sorted(logprobs.items(), key=lambda kv: -kv[1])[:top_n]
         entries.append(TokenLogprob(
-            token=texts[token], logprob=logprobs[token], bytes=list(texts[token].encode()),
-            top_logprobs=[TopLogprob(token=texts[t], logprob=v, bytes=list(texts[t].encode()))
+            token=name(token), logprob=logprobs[token], bytes=list(name(token).encode()),
+            top_logprobs=[TopLogprob(token=name(t), logprob=v, bytes=list(name(t).encode()))
                           for t, v in top]))
     return entries
 
@@ -377,7 +380,7 @@ class CompletionServing(OpenAIServing):
                     text = echo[i] + text
                     state.text_offset = len(echo[i])
                 if echo_with_logprobs and first.prompt_logprobs is not None:
-                    logprobs = echo_logprobs(first)
+                    logprobs = echo_logprobs(first, req.return_tokens_as_token_ids)
                 if req.return_token_ids:
                     extras["prompt_token_ids"] = first.prompt_token_ids
                 if req.prompt_logprobs is not None:
@@ -386,7 +389,8 @@ class CompletionServing(OpenAIServing):
             state.started = True
             state.cumulative_logprob += sampled_logprob_sum(c)
             if req.logprobs is not None and c.logprobs:
-                more, state.text_offset = completion_logprobs(c, state.text_offset)
+                more, state.text_offset = completion_logprobs(c, state.text_offset,
+                                                              req.return_tokens_as_token_ids)
                 if logprobs is None:
                     logprobs = more
                 else:
@@ -503,7 +507,9 @@ class ChatServing(OpenAIServing):
         continuous_usage = include_usage and req.stream_options.continuous_usage_stats
 
         def logprobs_of(c: CompletionOutput) -> list[TokenLogprob] | None:
-            return chat_logprobs(c, top_n) if req.logprobs and c.logprobs else None
+            if not (req.logprobs and c.logprobs):
+                return None
+            return chat_logprobs(c, top_n, req.return_tokens_as_token_ids)
 
         def token_ids_of(c: CompletionOutput) -> dict:
             return {"token_ids": list(c.token_ids)} if req.return_token_ids else {}

@@ -144,6 +144,24 @@ def test_echo_with_logprobs_returns_the_prompt_tokens_logprobs(client):
     assert lp.text_offset == [sum(map(len, lp.tokens[:k])) for k in range(len(lp.tokens))]
 
 
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(http):
+    out = complete(http, max_tokens=3, echo=True, logprobs=1, return_tokens_as_token_ids=True,
+                   return_token_ids=True)
+    choice = out["choices"][0]
+    ids = choice["prompt_token_ids"] + choice["token_ids"]
+    assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in ids]
+    assert all(name.startswith("token_id:")
+               for top in choice["logprobs"]["top_logprobs"][1:] for name in top)
+    assert choice["text"].startswith(PROMPT)  # the text itself is unchanged
+    chat = http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "logprobs": True,
+        "top_logprobs": 1, "return_tokens_as_token_ids": True, "return_token_ids": True,
+        **GREEDY}).json()["choices"][0]
+    content = chat["logprobs"]["content"]
+    assert [e["token"] for e in content] == [f"token_id:{t}" for t in chat["token_ids"]]
+    assert all(e["bytes"] == list(e["token"].encode()) for e in content)
+
+
 def test_continuous_usage_stats_put_usage_in_every_chunk(http):
     def usages(path: str, body: dict) -> list:
         options = {"include_usage": True, "continuous_usage_stats": True}
