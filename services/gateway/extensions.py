@@ -7,6 +7,7 @@ their checks, and how their results are laid out in responses.
 - `echo` with `logprobs` (completions): the prompt's tokens head the choice's logprobs.
 - `best_of` (completions): `best_of` samples are drawn; the `n` with the highest cumulative
   logprob are returned.
+- `return_tokens_as_token_ids`: logprobs name tokens `token_id:<id>`.
 - `stream_options.continuous_usage_stats`: usage in every chunk.
 - `truncate_prompt_tokens`: done by the tokenizer (`PromptOptions`).
 """
