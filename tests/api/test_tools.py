@@ -33,6 +33,24 @@ def _earlier_call(city: str, call_id: str = "call_1") -> dict:
 ONE_SHOT = [{"role": "user", "content": "What is the weather in Berlin?"}, _earlier_call("Berlin"),
             {"role": "user", "content": "What is the weather in Paris?"}]
 GREEDY = {"model": MODEL, "temperature": 0, "max_tokens": 40}
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.fixture(scope="module")
+def whole(api_stack):
+    """Non-streamed ONE_SHOT replies by tool_choice, each asked once for the module's tests."""
+    from tests.api.conftest import API_KEY
+    client = openai.OpenAI(base_url=api_stack.gateway_url + "/v1", api_key=API_KEY,
+                           max_retries=0, timeout=120)
+    replies = {}
+
+    def reply(tool_choice):
+        key = json.dumps(tool_choice)
+        if key not in replies:
+            replies[key] = client.chat.completions.create(
+                messages=ONE_SHOT, tools=TOOLS, tool_choice=tool_choice, **GREEDY).choices[0]
+        return replies[key]
+    return reply
 
 
 def _check_arguments(arguments: str, tool: dict) -> dict:
@@ -72,12 +90,8 @@ def _reassemble(stream) -> tuple[list[dict], str, str | None]:
     return calls, content, finish
 
 
-def test_named_tool_call_follows_the_functions_schema(client):
-    r = client.chat.completions.create(
-        messages=[{"role": "user", "content": "What is the weather in Paris for 3 days?"}],
-        tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        **GREEDY)
-    choice = r.choices[0]
+def test_named_tool_call_follows_the_functions_schema(whole):
+    choice = whole(NAMED)
     [call] = choice.message.tool_calls
     assert call.type == "function" and call.function.name == "get_weather"
     assert call.id.startswith("chatcmpl-tool-")
@@ -96,10 +110,8 @@ def test_required_returns_tool_calls(client):
     assert choice.finish_reason == "tool_calls"
 
 
-def test_auto_calls_a_tool_when_the_prompt_calls_for_one(client):
-    r = client.chat.completions.create(messages=ONE_SHOT, tools=TOOLS, tool_choice="auto",
-                                       **GREEDY)
-    choice = r.choices[0]
+def test_auto_calls_a_tool_when_the_prompt_calls_for_one(whole):
+    choice = whole("auto")
     assert choice.finish_reason == "tool_calls"
     [call] = choice.message.tool_calls
     assert call.function.name == "get_weather"
@@ -107,11 +119,9 @@ def test_auto_calls_a_tool_when_the_prompt_calls_for_one(client):
     assert choice.message.content is None  # the call was all of the reply
 
 
-def test_none_returns_no_tool_calls(client):
+def test_none_returns_no_tool_calls(whole):
     """The same prompt as under auto: its <tool_call> text stays content."""
-    r = client.chat.completions.create(messages=ONE_SHOT, tools=TOOLS, tool_choice="none",
-                                       **GREEDY)
-    choice = r.choices[0]
+    choice = whole("none")
     assert not choice.message.tool_calls
     assert choice.finish_reason != "tool_calls"
     assert "get_weather" in choice.message.content
@@ -129,19 +139,17 @@ def test_a_tool_result_turn_is_accepted(client):
     assert longer.usage.prompt_tokens > short.usage.prompt_tokens
 
 
-@pytest.mark.parametrize("tool_choice", ["auto", {"type": "function",
-                                                  "function": {"name": "get_weather"}}],
-                         ids=["auto", "named"])
-def test_streamed_tool_calls_reassemble_to_the_whole_response(client, tool_choice):
-    whole = client.chat.completions.create(messages=ONE_SHOT, tools=TOOLS,
-                                           tool_choice=tool_choice, **GREEDY).choices[0]
+@pytest.mark.parametrize("tool_choice", ["auto", NAMED], ids=["auto", "named"])
+def test_streamed_tool_calls_reassemble_to_the_whole_response(client, whole, tool_choice):
+    """Greedy, the same request streamed and not: the deltas add up to the same calls."""
+    expected = whole(tool_choice)
     calls, content, finish = _reassemble(client.chat.completions.create(
         messages=ONE_SHOT, tools=TOOLS, tool_choice=tool_choice, stream=True, **GREEDY))
-    assert whole.message.tool_calls
+    assert expected.message.tool_calls
     assert [(c["name"], c["arguments"]) for c in calls] == [
-        (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
-    assert content == (whole.message.content or "")
-    assert finish == whole.finish_reason == "tool_calls"
+        (c.function.name, c.function.arguments) for c in expected.message.tool_calls]
+    assert content == (expected.message.content or "")
+    assert finish == expected.finish_reason == "tool_calls"
 
 
 @pytest.mark.parametrize("fields,param", [
