@@ -75,6 +75,25 @@ def test_chat_applies_the_chat_template(llm, tokenizer):
     assert single.outputs[0].token_ids == outputs[0].outputs[0].token_ids
 
 
+def test_chat_continues_a_final_assistant_message_and_renders_tools_with_a_named_template(
+        llm, tokenizer):
+    start = [{"role": "user", "content": "Name a colour."},
+             {"role": "assistant", "content": "My favourite colour is"}]
+    [out] = llm.chat(start, GREEDY, add_generation_prompt=False, continue_final_message=True,
+                     use_tqdm=False)
+    # The prompt stops inside the assistant's message: no end-of-turn after its text.
+    assert out.prompt.endswith("My favourite colour is")
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    [with_tools] = llm.chat(start[:1], GREEDY, chat_template="hermes_tools", tools=tools,
+                            use_tqdm=False)
+    assert "get_weather" in with_tools.prompt and "get_weather" not in out.prompt
+    with pytest.raises(ValueError, match="continue_final_message"):
+        llm.chat(start[:1], GREEDY, add_generation_prompt=False, continue_final_message=True,
+                 use_tqdm=False)
+
+
 def test_a_bad_sampling_value_is_a_clear_error_and_the_engine_keeps_working(llm):
     with pytest.raises(SamplingParamsError, match="^temperature: "):
         SamplingParams(temperature=-1.0)

@@ -1,9 +1,12 @@
 """The offline entry point: `LLM(model).generate(prompts, sampling_params)` (seed's LLM class)."""
 import itertools
+import json
 from collections.abc import Sequence as SequenceLike
 
 from tqdm.auto import tqdm
 
+from proto.requests import ChatOptions
+from shared.chat_template import load_chat_template, render_chat
 from shared.config import EngineArgs
 from shared.sampling_params import SamplingParams
 from services.engine.llm_engine import LLMEngine
@@ -48,15 +51,24 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             add_generation_prompt: bool = True, use_tqdm: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, use_tqdm: bool = True,
+             continue_final_message: bool = False, chat_template: str | None = None,
+             chat_template_kwargs: dict | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
+        """Chat conversations (OpenAI-shaped message dicts), rendered with the model's chat
+        template, or `chat_template` (a path, a shipped name or Jinja text), as the served
+        stack renders them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        options = ChatOptions(
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template=load_chat_template(chat_template),
+            chat_template_kwargs=json.dumps(chat_template_kwargs) if chat_template_kwargs else None,
+            tools=json.dumps(tools) if tools else None)
         tokenizer = self.get_tokenizer()
-        prompts = [tokenizer.apply_chat_template(c, tokenize=False,
-                                                 add_generation_prompt=add_generation_prompt)
-                   for c in conversations]
-        # The template already holds any BOS token: encode without adding special tokens.
-        token_ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-        return self.generate(prompts, sampling_params, prompt_token_ids=token_ids, use_tqdm=use_tqdm)
+        rendered = [render_chat(tokenizer, c, options) for c in conversations]
+        return self.generate([r.text for r in rendered], sampling_params,
+                             prompt_token_ids=[r.token_ids for r in rendered], use_tqdm=use_tqdm)
 
     @staticmethod
     def _params_list(sampling_params, num: int) -> list[SamplingParams]:
