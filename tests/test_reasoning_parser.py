@@ -61,3 +61,19 @@ def test_a_prompt_that_opened_the_span():
     parser = get_reasoning_parser("qwen3")
     assert parser.extract("so 8.</think>8", starts_inside=True) == ("so 8.", "8")
     assert _streamed("qwen3", list("so 8.</think>8"), starts_inside=True) == ("so 8.", "8")
+
+
+@pytest.mark.parametrize("fmt", [{"response_format": {"type": "json_object"}},
+                                 {"structured_outputs": {"regex": "[a-z]+"}}])
+def test_a_constrained_output_is_all_content(fmt):
+    """Under a grammar the output has no <think> span: deepseek_r1, which starts inside one,
+    must not take the whole (JSON) output for reasoning."""
+    from services.gateway.chat_tools import ChatOutput, ChatSettings, tool_plan
+    from services.gateway.schemas import ChatCompletionRequest
+    settings = ChatSettings(reasoning_parser="deepseek_r1")
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **fmt)
+    parts = ChatOutput(req, tool_plan(req, settings), settings).message('{"a": 1}')
+    assert (parts.reasoning_content, parts.content) == (None, '{"a": 1}')
+    free = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])
+    parts = ChatOutput(free, tool_plan(free, settings), settings).message("think</think>ok")
+    assert (parts.reasoning_content, parts.content) == ("think", "ok")

@@ -152,7 +152,13 @@ class ChatOutput:
         self.echo = last.text() if req.echo and last.role == "assistant" else ""
         self.reasoning: ReasoningParser | None = None
         self.starts_inside: bool | None = None
-        if settings.reasoning_parser and plan.schema is None:
+        # A grammar (a tool choice's, or response_format / structured_outputs) holds the output
+        # from its first token, so it has no reasoning span: with deepseek_r1, which starts
+        # inside one, all of it would otherwise be taken for reasoning.
+        fmt = req.response_format
+        constrained = (plan.schema is not None or req.structured_outputs is not None
+                       or (fmt is not None and fmt.type != "text"))
+        if settings.reasoning_parser and not constrained:
             self.reasoning = get_reasoning_parser(settings.reasoning_parser)
             if req.continue_final_message and opens_reasoning(last.text()):
                 self.starts_inside = True
