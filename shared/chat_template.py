@@ -72,6 +72,8 @@ def message_dict(m: ChatMessage | dict, index: int = 0) -> dict:
     if isinstance(m, dict):
         d = dict(m)
         calls = d.get("tool_calls")
+        if calls is not None and not isinstance(calls, list):
+            raise ChatTemplateError(f"messages[{index}].tool_calls: must be a list")
     else:
         d = {"role": m.role, "content": m.content}
         if m.name is not None:
