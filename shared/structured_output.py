@@ -3,6 +3,7 @@
 Exactly one kind is set. A JSON schema travels as its JSON text (every process sees the same
 canonical string, which is also the compile cache's key); a dict given here is serialised once.
 """
+import functools
 import json as json_lib
 import re
 from dataclasses import dataclass
@@ -201,25 +202,42 @@ _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[12:00:00] /project/cpp/x
 def check_supported(params: StructuredOutputsParams) -> None:
     """Raise SamplingParamsError naming what the grammar library (xgrammar) cannot honour: an
     invalid regex, EBNF grammar, structural tag or JSON schema, or a JSON-schema keyword it would
-    ignore. Parses the grammar (no tokenizer needed; fast) but does not compile it."""
+    ignore. Parses the grammar (no tokenizer needed) but does not compile it. A large schema
+    takes tens of milliseconds to parse, and both the gateway and the engine check every
+    request, so the verdicts of recent grammars are kept (requests often repeat their tools)."""
     from shared.sampling_params import SamplingParamsError
+    kind, text, options = grammar_source(params)
+    # Only grammars of ordinary size are kept (the cache holds their text).
+    check = _grammar_problem if len(text) <= _CACHED_TEXT_MAX else _grammar_problem.__wrapped__
+    problem = check(params.kind, kind, text, options)
+    if problem is not None:
+        raise SamplingParamsError(*problem)
+
+
+_CACHED_TEXT_MAX = 64 * 1024  # characters
+
+
+@functools.lru_cache(maxsize=256)
+def _grammar_problem(request_kind: str, kind: str, text: str, options: tuple
+                     ) -> tuple[str, str] | None:
+    """(field, message) of what check_supported refuses in a grammar, or None."""
     import xgrammar
 
-    field = f"structured_outputs.{params.kind}"
-    if params.kind == "json":
-        problem = _schema_problem(json_lib.loads(params.json), "#")
+    field = f"structured_outputs.{request_kind}"
+    if request_kind == "json":
+        problem = _schema_problem(json_lib.loads(text), "#")
         if problem:
-            raise SamplingParamsError(field, problem)
-    kind, text, options = grammar_source(params)
+            return field, problem
     parse = {"json_schema": xgrammar.Grammar.from_json_schema,
              "regex": xgrammar.Grammar.from_regex,
              "ebnf": xgrammar.Grammar.from_ebnf,
              "structural_tag": xgrammar.Grammar.from_structural_tag}[kind]
     what = {"json": "JSON schema", "json_object": "JSON schema", "regex": "regex",
             "choice": "choice", "grammar": "EBNF grammar",
-            "structural_tag": "structural tag"}[params.kind]
+            "structural_tag": "structural tag"}[request_kind]
     try:
         parse(text, **dict(options))
     except Exception as e:  # xgrammar raises RuntimeError, ValueError and its own errors
         message = _LOG_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip() else "")
-        raise SamplingParamsError(field, f"invalid {what}: {message or type(e).__name__}") from None
+        return field, f"invalid {what}: {message or type(e).__name__}"
+    return None
