@@ -176,6 +176,25 @@ def test_a_keyword_xgrammar_would_ignore_is_refused_by_name(schema, keyword):
     assert e.value.field == "structured_outputs.json"
 
 
+def test_a_repeated_grammar_is_checked_once_and_refused_the_same_each_time():
+    from shared.structured_output import _grammar_problem
+    schema = {"type": "object", "properties": {"when": {"type": "string", "format": "date"}},
+              "required": ["when"], "title": "repeated-check"}
+    for params in (StructuredOutputsParams(json=schema), StructuredOutputsParams(regex="x(y")):
+        before = _grammar_problem.cache_info()
+        outcomes = []
+        for _ in range(3):
+            try:
+                check_supported(params)
+                outcomes.append(None)
+            except SamplingParamsError as e:
+                outcomes.append((e.field, str(e)))
+        after = _grammar_problem.cache_info()
+        assert len(set(outcomes)) == 1
+        assert (after.misses - before.misses, after.hits - before.hits) == (1, 2)
+    assert outcomes[0][0] == "structured_outputs.regex"
+
+
 def test_invalid_grammars_are_refused_and_the_engine_keeps_working(llm):
     bad = [({"regex": "a(b"}, "regex"), ({"grammar": 'root ::= "a'}, "EBNF"),
            ({"json": {"type": "wrong"}}, "JSON schema")]
