@@ -134,3 +134,20 @@ def test_scan_reports_partial_calls():
 def test_unknown_parser_is_refused():
     with pytest.raises(ValueError, match="hermes"):
         get_tool_parser("nope")
+
+
+@pytest.mark.parametrize("name,text", [
+    ("hermes", 'Sure <tool_call>not json</tool_call> done'),
+    ("hermes", '<tool_call>{"arguments": {}}</tool_call>'),
+    ("llama3_json", '{"answer": 42, "unit": "m"}'),
+    ("mistral", "[TOOL_CALLS] not a list of calls"),
+])
+def test_malformed_calls_stay_content_when_streamed(name, text):
+    """What the whole text gives as content (no calls) is what the stream sends, not the text
+    outside the would-be call regions, or nothing."""
+    parser = get_tool_parser(name)
+    whole = parser.extract(text)
+    assert whole.tool_calls == [] and whole.content == text
+    for pieces in ([text[:k], text[k:]] for k in range(len(text) + 1)):
+        assert _reassemble(ToolCallStream(parser), pieces) == (text, [])
+    assert _reassemble(ToolCallStream(parser), list(text)) == (text, [])

@@ -135,10 +135,6 @@ class ToolCallStream:
         if self.max_calls is not None:
             calls = calls[:self.max_calls]
         out = ParsedDelta()
-        # Content that is only whitespace (between calls, say) is held until more comes.
-        if content.strip() and len(content) > len(self.sent_content):
-            out.content = content[len(self.sent_content):]
-            self.sent_content = content
         for index, call in enumerate(calls):
             if call.name is None:
                 break  # calls are sent in order; this one's name is still being written
@@ -153,4 +149,27 @@ class ToolCallStream:
                 out.tool_calls.append(ToolCallDelta(
                     index, arguments=arguments[self.sent_arguments[index]:]))
                 self.sent_arguments[index] = len(arguments)
+        if regions and not self.ids:
+            # Until a call is read, a region may turn out not to be calls, and then the whole
+            # text is content (`extract`): only what is also the start of the text goes out.
+            if final:
+                whole = self.parser.extract(self.text, self.max_calls)
+                if not whole.tool_calls:
+                    content = whole.content or ""
+            if content != self.text:
+                content = content[:_common_prefix(content, self.text)]
+        # Content that is only whitespace (between calls, say) is held until more comes.
+        if content.strip() and len(content) > len(self.sent_content):
+            out.content = content[len(self.sent_content):]
+            self.sent_content = content
         return out
+
+
+def _common_prefix(a: str, b: str) -> int:
+    if b.startswith(a):
+        return len(a)
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
