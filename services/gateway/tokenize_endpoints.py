@@ -59,6 +59,7 @@ class GatewayTokenizer:
         self.path = path
         self.chat_template = chat_template  # the served --chat-template's text, if any
         self._tokenizer = None
+        self._fim: tuple[tuple[str, str, str] | None] | None = None  # (the tokens,) once looked up
 
     async def get(self):
         if self._tokenizer is None:
@@ -67,9 +68,13 @@ class GatewayTokenizer:
         return self._tokenizer
 
     async def fim_tokens(self) -> tuple[str, str, str] | None:
-        """The model's fill-in-the-middle tokens (prefix, suffix, middle), or None."""
-        vocab = (await self.get()).get_vocab()
-        return next((names for names in _FIM_TOKENS if all(t in vocab for t in names)), None)
+        """The model's fill-in-the-middle tokens (prefix, suffix, middle), or None. Looked up
+        once: `get_vocab` builds the whole vocabulary as a new dict each time."""
+        if self._fim is None:
+            vocab = (await self.get()).get_vocab()
+            self._fim = (next((names for names in _FIM_TOKENS
+                               if all(t in vocab for t in names)), None),)
+        return self._fim[0]
 
 
 def _text_of(message: dict) -> dict:
