@@ -208,3 +208,15 @@ def test_invalid_grammars_are_refused_and_the_engine_keeps_working(llm):
     out = llm.generate("Hi", SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(
         json_object=True), temperature=0.0), use_tqdm=False)[0].outputs[0]
     assert out.text.startswith("{")
+
+
+def test_min_tokens_past_the_grammars_end_adds_stop_tokens_not_tokens_outside_it(llm):
+    """A choice ends after one token; min_tokens=5 cannot mask the stop tokens then (nothing
+    would be left to sample): the output stays the choice, with finite logprobs."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=5, logprobs=1,
+                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    out = llm.generate(["Is the sky blue? Answer:"], params, use_tqdm=False)[0].outputs[0]
+    stops = set(llm.llm_engine.eos_token_ids)
+    assert out.text in ("yes", "no") and out.finish_reason == "stop"
+    assert len(out.token_ids) == 5 and set(out.token_ids[-4:]) <= stops
+    assert all(lp[t] == lp[t] for lp, t in zip(out.logprobs, out.token_ids))  # no NaN

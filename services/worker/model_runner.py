@@ -253,7 +253,7 @@ class ModelRunner:
         if len(logit_index) != len(rows):
             logits = logits[logit_index]
         constrained = self._edit_logits(logits, edited, owners) if edited else None
-        self._mask_early_stops(logits, sampling_rows, owners)
+        self._mask_early_stops(logits, sampling_rows, owners, set(edited))
         tensors = SamplingTensors.from_rows(sampling_rows, logits.shape[-1], logits.device)
         result = self.sampler(logits, tensors)
         token_ids, logprobs, top_ids, top_lps = _to_host(result)
@@ -324,14 +324,19 @@ class ModelRunner:
         return constrained
 
     @staticmethod
-    def _mask_early_stops(logits: torch.Tensor, rows: list[SamplingRow], owners: list[_Row]) -> None:
-        """Before min_tokens, EOS and stop token ids cannot be sampled."""
+    def _mask_early_stops(logits: torch.Tensor, rows: list[SamplingRow], owners: list[_Row],
+                          edited: set[int] = frozenset()) -> None:
+        """Before min_tokens, EOS and stop token ids cannot be sampled, except on a row whose
+        edits (a grammar that has ended, allowed_token_ids) leave nothing else: masking them
+        there would leave no token at all, and a token outside the grammar would be drawn."""
         mask_rows, mask_ids = [], []
         for i, (r, owner) in enumerate(zip(rows, owners)):
             if r.output_index < r.params.min_tokens:
                 ids = set(r.params.stop_token_ids)
                 if not r.params.ignore_eos:
                     ids.update(owner.state.request.eos_token_ids)
+                if i in edited and ids and not _allows_other_than(logits[i], ids):
+                    continue
                 mask_rows.extend([i] * len(ids))
                 mask_ids.extend(ids)
         if mask_rows:
@@ -377,6 +382,14 @@ class ModelRunner:
         # normaliser and the top candidates it sorts instead of the whole vocabulary.
         floats = logits.float()
         floats.log_softmax(-1).topk(min(1024, floats.shape[-1]), dim=-1)
+
+
+def _allows_other_than(row: torch.Tensor, token_ids: set[int]) -> bool:
+    """Whether logits `row` leave any token other than `token_ids` above -inf (a host sync:
+    only for rows with logit edits before their min_tokens)."""
+    allowed = row > float("-inf")
+    allowed[list(token_ids)] = False
+    return bool(allowed.any())
 
 
 def _to_host(result) -> tuple[list, list, list | None, list | None]:
