@@ -34,3 +34,11 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[int], params: list[Samplin
     logits.index_put_((torch.tensor(pair_rows, device=device),
                        torch.tensor(pair_ids, device=device)),
                       values.to(device=device, dtype=logits.dtype), accumulate=True)
+
+
+def allows_other_than(row: torch.Tensor, token_ids: set[int]) -> bool:
+    """Whether logits `row` leave any token other than `token_ids` above -inf (a host sync:
+    only for rows with logit edits before their min_tokens)."""
+    allowed = row > float("-inf")
+    allowed[list(token_ids)] = False
+    return bool(allowed.any())

@@ -17,7 +17,8 @@ from proto.messages import PLACEHOLDER
 from shared.sampling_params import SamplingParams
 from services.worker.attention import AttentionMetadata, get_attn_backend
 from services.worker.grammar import SequenceMatcher, feed, new_matcher
-from services.worker.logit_edits import apply_allowed_token_ids, apply_logit_bias
+from services.worker.logit_edits import (allows_other_than, apply_allowed_token_ids,
+                                          apply_logit_bias)
 from services.worker.model_loader import load_model
 from services.worker.sampler import Sampler, compute_prompt_logprobs
 from services.worker.sampling_metadata import SamplingRow, SamplingTensors
@@ -335,7 +336,7 @@ class ModelRunner:
                 ids = set(r.params.stop_token_ids)
                 if not r.params.ignore_eos:
                     ids.update(owner.state.request.eos_token_ids)
-                if i in edited and ids and not _allows_other_than(logits[i], ids):
+                if i in edited and ids and not allows_other_than(logits[i], ids):
                     continue
                 mask_rows.extend([i] * len(ids))
                 mask_ids.extend(ids)
@@ -382,14 +383,6 @@ class ModelRunner:
         # normaliser and the top candidates it sorts instead of the whole vocabulary.
         floats = logits.float()
         floats.log_softmax(-1).topk(min(1024, floats.shape[-1]), dim=-1)
-
-
-def _allows_other_than(row: torch.Tensor, token_ids: set[int]) -> bool:
-    """Whether logits `row` leave any token other than `token_ids` above -inf (a host sync:
-    only for rows with logit edits before their min_tokens)."""
-    allowed = row > float("-inf")
-    allowed[list(token_ids)] = False
-    return bool(allowed.any())
 
 
 def _to_host(result) -> tuple[list, list, list | None, list | None]:
