@@ -109,12 +109,15 @@ def with_extensions(params: SamplingParams, *, prompt_logprobs: int | None = Non
 
 
 # -- responses ------------------------------------------------------------------------------------
-def vllm_prompt_logprobs(out: RequestOutput, k: int) -> list[dict | None] | None:
+def vllm_prompt_logprobs(out: RequestOutput, k: int, computed: int | None = None
+                         ) -> list[dict | None] | None:
     """The prompt's logprobs in vLLM's shape: None for the first token, then per position the
     prompt's token and its top `k` alternatives as {token id: {logprob, rank, decoded_token}}.
-    `rank` is 1 for the likeliest; None for a prompt token that is not among the top `k`."""
+    `rank` is 1 for the likeliest; None for a prompt token that is not among the top
+    `computed` (what the engine was asked for: more than `k` when echo's logprobs asked more)."""
     if out.prompt_logprobs is None:
         return None
+    computed = k if computed is None else computed
     result: list[dict | None] = []
     for pos, entry in enumerate(out.prompt_logprobs):
         if entry is None:
@@ -125,11 +128,11 @@ def vllm_prompt_logprobs(out: RequestOutput, k: int) -> list[dict | None] | None
         order = sorted(entry, key=lambda t: -entry[t])
         # The engine's entry holds the top k and, when it is not one of them, the prompt's
         # token besides: its rank is then unknown (only the top k are computed).
-        token_known = len(entry) <= k
+        token_known = len(entry) <= computed
         item = {str(token): {"logprob": entry[token],
                              "rank": order.index(token) + 1 if token_known else None,
                              "decoded_token": texts[token]}}
-        for rank, t in enumerate(order, 1):
+        for rank, t in enumerate(order[:k], 1):
             if t != token:
                 item[str(t)] = {"logprob": entry[t], "rank": rank, "decoded_token": texts[t]}
         result.append(item)
@@ -144,9 +147,12 @@ def token_names(texts: dict[int, str], as_ids: bool):
     return lambda t: texts[t]
 
 
-def echo_logprobs(out: RequestOutput, as_ids: bool = False) -> CompletionLogprobs:
+def echo_logprobs(out: RequestOutput, as_ids: bool = False,
+                  k: int | None = None) -> CompletionLogprobs:
     """The prompt's part of an echoed completion's logprobs (legacy completions shape); the
-    first token has none, as in OpenAI's API. `as_ids`: see `token_names`."""
+    first token has none, as in OpenAI's API. `as_ids`: see `token_names`. `k`: the request's
+    `logprobs`, the alternatives kept besides the prompt's token (None: all the engine gave,
+    which is more when prompt_logprobs asked more)."""
     lp = CompletionLogprobs()
     offset = 0
     for token, entry, texts in zip(out.prompt_token_ids, out.prompt_logprobs,
@@ -160,8 +166,9 @@ def echo_logprobs(out: RequestOutput, as_ids: bool = False) -> CompletionLogprob
             lp.top_logprobs.append(None)
         else:
             lp.token_logprobs.append(entry[token])
-            lp.top_logprobs.append({name(t): v for t, v in sorted(entry.items(),
-                                                                  key=lambda kv: -kv[1])})
+            top = sorted(entry.items(), key=lambda kv: -kv[1])
+            kept = top if k is None else top[:k] + [(t, v) for t, v in top[k:] if t == token]
+            lp.top_logprobs.append({name(t): v for t, v in kept})
     return lp
 
 

@@ -380,12 +380,13 @@ class CompletionServing(OpenAIServing):
                     text = echo[i] + text
                     state.text_offset = len(echo[i])
                 if echo_with_logprobs and first.prompt_logprobs is not None:
-                    logprobs = echo_logprobs(first, req.return_tokens_as_token_ids)
+                    logprobs = echo_logprobs(first, req.return_tokens_as_token_ids,
+                                             req.logprobs)
                 if req.return_token_ids:
                     extras["prompt_token_ids"] = first.prompt_token_ids
                 if req.prompt_logprobs is not None:
-                    extras["prompt_logprobs"] = vllm_prompt_logprobs(first,
-                                                                     params.prompt_logprobs)
+                    extras["prompt_logprobs"] = vllm_prompt_logprobs(
+                        first, req.prompt_logprobs, params.prompt_logprobs)
             state.started = True
             state.cumulative_logprob += sampled_logprob_sum(c)
             if req.logprobs is not None and c.logprobs:
