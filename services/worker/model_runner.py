@@ -254,7 +254,7 @@ class ModelRunner:
         if len(logit_index) != len(rows):
             logits = logits[logit_index]
         constrained = self._edit_logits(logits, edited, owners) if edited else None
-        self._mask_early_stops(logits, sampling_rows, owners, set(edited))
+        self._mask_early_stops(logits, sampling_rows, owners)
         tensors = SamplingTensors.from_rows(sampling_rows, logits.shape[-1], logits.device)
         result = self.sampler(logits, tensors)
         token_ids, logprobs, top_ids, top_lps = _to_host(result)
@@ -325,8 +325,8 @@ class ModelRunner:
         return constrained
 
     @staticmethod
-    def _mask_early_stops(logits: torch.Tensor, rows: list[SamplingRow], owners: list[_Row],
-                          edited: set[int] = frozenset()) -> None:
+    def _mask_early_stops(logits: torch.Tensor, rows: list[SamplingRow], owners: list[_Row]
+                          ) -> None:
         """Before min_tokens, EOS and stop token ids cannot be sampled, except on a row whose
         edits (a grammar that has ended, allowed_token_ids) leave nothing else: masking them
         there would leave no token at all, and a token outside the grammar would be drawn."""
@@ -336,7 +336,9 @@ class ModelRunner:
                 ids = set(r.params.stop_token_ids)
                 if not r.params.ignore_eos:
                     ids.update(owner.state.request.eos_token_ids)
-                if i in edited and ids and not allows_other_than(logits[i], ids):
+                narrowed = (owner.state.request.grammar is not None
+                            or r.params.allowed_token_ids)  # a bias alone leaves every token
+                if narrowed and ids and not allows_other_than(logits[i], ids):
                     continue
                 mask_rows.extend([i] * len(ids))
                 mask_ids.extend(ids)
