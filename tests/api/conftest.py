@@ -33,7 +33,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # stopped after the folder's last test, not at the end
 def api_stack():
     root = tempfile.mkdtemp(prefix="papi-", dir="/tmp")  # short: ipc paths have a length limit
     stack = LocalStack(engine_args=ENGINE_ARGS, run_dir=os.path.join(root, "stack"),
