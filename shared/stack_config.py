@@ -51,6 +51,9 @@ class StackConfig:
     chat_template: str = ""
     tool_call_parser: str = ""
     reasoning_parser: str = ""
+    # A request's own `chat_template` is Jinja that the gateway and the tokenizers run: refused
+    # (400) unless the operator trusts its clients with that (vLLM's flag of the same name).
+    trust_request_chat_template: bool = False
 
     def __post_init__(self):
         self.run_dir = self.run_dir or os.environ.get("PAGODA_RUN_DIR") or default_run_dir()
@@ -58,7 +61,7 @@ class StackConfig:
             env = os.environ.get("PAGODA_" + f.name.upper())
             current = getattr(self, f.name)
             if env is not None and current in ("", f.default):
-                setattr(self, f.name, type(f.default)(env) if f.default != "" else env)
+                setattr(self, f.name, _from_text(env, f.default))
         ipc = lambda name: f"ipc://{os.path.join(self.run_dir, name)}"  # noqa: E731
         self.request_input = self.request_input or ipc("requests.sock")
         self.tokenizer_input = self.tokenizer_input or ipc("tokenizer-input.sock")
@@ -81,7 +84,7 @@ class StackConfig:
                                           "then ipc files in the run directory)")
         for f in fields(cls):
             group.add_argument("--" + f.name.replace("_", "-"), default=None,
-                               type=type(f.default) if f.default != "" else str)
+                               type=lambda text, d=f.default: _from_text(text, d))
         return parser
 
     @property
@@ -107,3 +110,12 @@ class StackConfig:
     def to_env(self) -> dict[str, str]:
         return {"PAGODA_" + f.name.upper(): str(getattr(self, f.name)) for f in fields(self)
                 if f.name != "control_addr"}
+
+
+def _from_text(text: str, default):
+    """A setting given as text (environment, command line), as the type of its default."""
+    if isinstance(default, bool):
+        if text.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off", ""):
+            raise ValueError(f"not a boolean: {text!r}")
+        return text.lower() in ("1", "true", "yes", "on")
+    return type(default)(text) if default != "" else text

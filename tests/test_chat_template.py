@@ -18,3 +18,25 @@ def test_tool_calls_that_are_not_a_list_are_the_clients_error(calls):
     with pytest.raises(ChatTemplateError, match=r"^messages\[1\]\.tool_calls"):
         render_chat(_NoTemplate(), [{"role": "user", "content": "hi"},
                                     {"role": "assistant", "content": "", "tool_calls": calls}])
+
+
+def test_a_requests_own_template_is_refused_unless_the_server_trusts_its_clients():
+    """The gateway's check (pure: no stack), before any Jinja runs."""
+    from services.gateway.chat_tools import ChatRequestError, ChatSettings, chat_prompt
+    from services.gateway.schemas import ChatCompletionRequest
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}],
+                                chat_template="{{ messages[0].content }}")
+    with pytest.raises(ChatRequestError, match="^chat_template: .*--trust-request-chat-template"):
+        chat_prompt(req, ChatSettings())
+    prompt = chat_prompt(req, ChatSettings(trust_request_chat_template=True))
+    assert prompt.options.chat_template == "{{ messages[0].content }}"
+
+
+def test_boolean_settings_read_from_the_environment(monkeypatch):
+    from shared.stack_config import StackConfig
+    for text, value in [("true", True), ("1", True), ("false", False), ("0", False)]:
+        monkeypatch.setenv("PAGODA_TRUST_REQUEST_CHAT_TEMPLATE", text)
+        assert StackConfig(run_dir="/tmp/x").trust_request_chat_template is value
+    monkeypatch.setenv("PAGODA_TRUST_REQUEST_CHAT_TEMPLATE", "maybe")
+    with pytest.raises(ValueError, match="not a boolean"):
+        StackConfig(run_dir="/tmp/x")

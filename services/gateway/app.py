@@ -46,6 +46,7 @@ class GatewaySettings:
     # How chat outputs are read (--tool-call-parser, --reasoning-parser); None: not at all.
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    trust_request_chat_template: bool = False  # see ChatSettings
 
 
 class PendingRequests:
@@ -177,9 +178,11 @@ def create_app(client, settings: GatewaySettings) -> FastAPI:
                                     settings.disconnect_poll_s)
     chat = ChatServing(client, settings.model_name, metrics, decoder, settings.disconnect_poll_s,
                        chat_settings=ChatSettings(settings.tool_call_parser,
-                                                  settings.reasoning_parser))
+                                                  settings.reasoning_parser,
+                                                  settings.trust_request_chat_template))
     model_names = [settings.model_name, *settings.model_aliases]
-    tokenizer = GatewayTokenizer(settings.tokenizer, settings.chat_template)
+    tokenizer = GatewayTokenizer(settings.tokenizer, settings.chat_template,
+                                 settings.trust_request_chat_template)
     for serving in (completions, chat):
         serving.model_names = set(model_names)
     completions.fim_tokens = tokenizer.fim_tokens

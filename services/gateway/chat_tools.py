@@ -22,6 +22,10 @@ from shared.sampling_params import SamplingParams
 from shared.structured_output import StructuredOutputsParams
 
 
+UNTRUSTED_TEMPLATE = ("a request's own chat template is refused by this server (start it with "
+                      "--trust-request-chat-template to allow it)")
+
+
 class ChatRequestError(ValueError):
     """A chat request's tool or template fields that cannot be served; becomes a 400."""
 
@@ -35,6 +39,9 @@ class ChatSettings:
     """The server's chat flags (--tool-call-parser, --reasoning-parser); "" or None: none."""
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    # A request's own chat_template is Jinja run by the gateway and the tokenizers: only
+    # from clients the operator trusts with that (--trust-request-chat-template).
+    trust_request_chat_template: bool = False
 
     def __post_init__(self):
         # Unknown names fail here, at start-up, not at the first request.
@@ -45,7 +52,9 @@ class ChatSettings:
 
 
 # -- request -> prompt -----------------------------------------------------------------------
-def chat_prompt(req: ChatCompletionRequest) -> ChatPrompt:
+def chat_prompt(req: ChatCompletionRequest, settings: ChatSettings) -> ChatPrompt:
+    if req.chat_template is not None and not settings.trust_request_chat_template:
+        raise ChatRequestError("chat_template", UNTRUSTED_TEMPLATE)
     if req.add_generation_prompt and req.continue_final_message:
         raise ChatRequestError("continue_final_message", "cannot be true together with "
                                "add_generation_prompt (set add_generation_prompt to false)")

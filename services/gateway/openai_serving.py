@@ -495,7 +495,7 @@ class ChatServing(OpenAIServing):
         self.check_model(req.model)
         params = chat_sampling_params(req)
         try:  # tools, reasoning and template options: see chat_tools
-            prompt = chat_prompt(req)
+            prompt = chat_prompt(req, self.chat_settings)
             plan = tool_plan(req, self.chat_settings)
             params = with_tool_grammar(params, plan)
         except ChatRequestError as e:

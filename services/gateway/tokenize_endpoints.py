@@ -20,6 +20,7 @@ from pydantic import Field, NonNegativeInt, ValidationError
 
 from proto.requests import ChatOptions
 from services.gateway.schemas import RequestModel
+from services.gateway.chat_tools import UNTRUSTED_TEMPLATE
 from shared.chat_template import ChatTemplateError, render_chat
 
 # Fill-in-the-middle tokens as models name them (prefix, suffix, middle).
@@ -55,9 +56,11 @@ class DetokenizeRequest(RequestModel):
 class GatewayTokenizer:
     """The model's tokenizer, loaded (in a thread) on first use."""
 
-    def __init__(self, path: str | None, chat_template: str | None = None):
+    def __init__(self, path: str | None, chat_template: str | None = None,
+                 trust_request_chat_template: bool = False):
         self.path = path
         self.chat_template = chat_template  # the served --chat-template's text, if any
+        self.trust_request_chat_template = trust_request_chat_template
         self._tokenizer = None
         self._fim: tuple[tuple[str, str, str] | None] | None = None  # (the tokens,) once looked up
 
@@ -107,6 +110,8 @@ def add_tokenize_routes(app: FastAPI, tokenizer: GatewayTokenizer, max_model_len
         check_model(req.model)
         tok = await tokenizer.get()
         if chat:
+            if req.chat_template is not None and not tokenizer.trust_request_chat_template:
+                raise refuse(400, f"chat_template: {UNTRUSTED_TEMPLATE}", "chat_template")
             options = ChatOptions(
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
