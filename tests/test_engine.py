@@ -327,3 +327,25 @@ def test_abort_mid_generation_frees_every_block_and_the_worker_state(llm):
     out = llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0]
     assert out.finished
     assert not any(i in worker_seqs for i in seq_ids)
+
+
+def test_a_request_id_reused_while_the_old_requests_last_step_is_in_flight(llm):
+    """The engine keeps a step in flight: a request that ends with step N is still in step N+1
+    when a new request takes its id. Neither the engine nor the worker may then drop the new
+    request's state for the old one's (its sequences would be lost, or the worker would meet
+    a request it has no parameters for)."""
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    first = engine.add_request("reused", None, params, prompt_token_ids=[1, 2, 3, 4])
+    step_n, sched_n = engine.schedule_step()
+    step_n1, sched_n1 = engine.schedule_step()  # the old request's placeholder rides along
+    engine.process_model_outputs(sched_n, engine.executor.execute_model(step_n))
+    assert first.is_finished() and "reused" not in engine.groups
+    longer = SamplingParams(temperature=0.0, max_tokens=3)
+    second = engine.add_request("reused", None, longer, prompt_token_ids=[5, 6, 7, 8])
+    engine.process_model_outputs(sched_n1, engine.executor.execute_model(step_n1))
+    assert engine.groups.get("reused") is second
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert len(second.first_seq.output_token_ids) == 3
+    assert free_blocks_are_all(engine)

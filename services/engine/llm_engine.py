@@ -255,8 +255,10 @@ class LLMEngine:
         self.num_steps += 1
         for scheduled in sched.scheduled_seq_groups:
             group = scheduled.seq_group
-            if group.request_id not in self.groups:
-                continue  # aborted while the step was in flight
+            if self.groups.get(group.request_id) is not group:
+                # Aborted or finished while the step was in flight (its id may be in use by a
+                # later request already).
+                continue
             if group.prompt_logprobs is not None and group.first_seq.seq_id in prompt_lps:
                 self._append_prompt_logprobs(group, prompt_lps[group.first_seq.seq_id])
             if scheduled.is_prompt:
@@ -346,7 +348,8 @@ class LLMEngine:
             outputs=completions, finished=finished, metrics=group.metrics, error=group.error)
 
     def _forget(self, group: SequenceGroup) -> None:
-        self.groups.pop(group.request_id, None)
+        if self.groups.get(group.request_id) is group:  # not a later request of the same id
+            del self.groups[group.request_id]
         for seq in group.seqs:
             self.detokenizers.pop(seq.seq_id, None)
 

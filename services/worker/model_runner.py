@@ -127,8 +127,10 @@ class ModelRunner:
         for seq_id in request.finished_seq_ids:
             state = self.seqs.pop(seq_id, None)
             self.fan_out.pop(seq_id, None)
-            if state is not None and not any(s.request is state.request for s in self.seqs.values()):
-                self.requests.pop(state.request.request_id, None)
+            if (state is not None and self.requests.get(state.request.request_id) is state.request
+                    and not any(s.request is state.request for s in self.seqs.values())):
+                # (A later request may reuse the id: its state is not this one's to drop.)
+                del self.requests[state.request.request_id]
 
     # -- the step ------------------------------------------------------------------------------
     @torch.inference_mode()
