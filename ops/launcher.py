@@ -167,7 +167,8 @@ class LocalStack:
                  verbose: bool = False, keep_logs: bool = False,
                  max_restarts_per_minute: int = 3, stop_grace_s: float = 10.0,
                  tcp_host: str | None = None, curve_keys_dir: str | None = None,
-                 hang_timeout_s: float = 60.0, served_model_names: list[str] | None = None):
+                 hang_timeout_s: float = 60.0, served_model_names: list[str] | None = None,
+                 compose_vars: dict[str, str] | None = None):
         """`env` is added to every process's environment (after the compose file's).
         `verbose` echoes every process's log lines to stdout with a `[service-i]` prefix.
         `tcp_host`: the engine binds tcp ports of this host rather than ipc files.
@@ -177,7 +178,9 @@ class LocalStack:
         with its control thread), or answers "stuck" for this long (a worker inside one step
         for longer than the step timeout), is killed, and so restarted; 0 turns that off.
         `served_model_names`: the gateway's --served-model-name (default: the compose file's
-        PAGODA_SERVED_MODEL_NAME, else the model's name)."""
+        PAGODA_SERVED_MODEL_NAME, else the model's name).
+        `compose_vars`: variables for the compose file's interpolation, over the environment's
+        (`pagoda serve --worker-cpus` sets PAGODA_WORKER_CPUS this way)."""
         if tokenizers < 1 or detokenizers < 1:
             raise ValueError("a stack needs at least one tokenizer and one detokenizer")
         self.compose_file = compose_file or default_compose_file()
@@ -195,6 +198,7 @@ class LocalStack:
         self.curve: CurveKeys | None = self.stack_config.curve  # for the launcher's own probes
         self.host, self.port, self.gateway, self.api_key = host, port, gateway, api_key
         self.served_model_names = list(served_model_names or [])
+        self.compose_vars = dict(compose_vars or {})
         self.gateway_url = f"http://{host}:{port}" if gateway else None
         self.extra_env = dict(env or {})
         self.verbose = verbose
@@ -354,7 +358,7 @@ class LocalStack:
     # -- internals -----------------------------------------------------------------------------
     def _plan(self) -> None:
         """Turn each compose service into its processes' command lines and environments."""
-        specs = load_services(self.compose_file)
+        specs = load_services(self.compose_file, {**os.environ, **self.compose_vars})
         for needed in ("engine", "worker", "tokenizer", "detokenizer"):
             if not any(s.command == needed for s in specs.values()):
                 raise LaunchError(needed, f"no service runs `pagoda {needed}` in {self.compose_file}")

@@ -35,9 +35,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="encrypt and authenticate every ZeroMQ socket with the CurveZMQ "
                              "keys of this directory (`pagoda keys DIR`; default: "
                              "PAGODA_CURVE_KEYS_DIR, else off)")
+    parser.add_argument("--worker-cpus", default=None,
+                        help="CPUs the worker runs on, one OpenMP thread bound to each (e.g. "
+                             "0-13; default: PAGODA_WORKER_CPUS, else anywhere)")
+    parser.add_argument("--service-cpus", default=None,
+                        help="CPUs the gateway, tokenizers, engine and detokenizers share "
+                             "(default: PAGODA_SERVICE_CPUS, else anywhere)")
+    parser.add_argument("--service-nice", type=int, default=None,
+                        help="nice value added to those light services (default: "
+                             "PAGODA_SERVICE_NICE, else 0)")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="echo every process's log lines, prefixed with its name")
     EngineArgs.add_cli_args(parser)
+
+
+def placement_vars(args: argparse.Namespace) -> dict[str, str]:
+    """The placement flags as the compose file's variables (checked here, applied by each
+    process at its start: shared/placement.py)."""
+    from shared.placement import parse_cpu_list
+    out = {}
+    for flag, name in (("worker_cpus", "PAGODA_WORKER_CPUS"),
+                       ("service_cpus", "PAGODA_SERVICE_CPUS")):
+        value = getattr(args, flag)
+        if value is not None:
+            parse_cpu_list(value)  # a bad list fails here, not in every process
+            out[name] = value
+    if args.service_nice is not None:
+        out["PAGODA_SERVICE_NICE"] = str(args.service_nice)
+    return out
 
 
 def _positive_int(text: str) -> int:
@@ -52,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
     from shared.logging import configure
     from ops.launcher import LaunchError, LocalStack
     from shared.curve import CurveKeysError
+    from shared.placement import PlacementError
     configure("serve")
     # Only what the user set: each service keeps its own defaults for the rest.
     engine_args = {f.name: getattr(args, f.name) for f in fields(EngineArgs)
@@ -63,8 +89,9 @@ def run(args: argparse.Namespace) -> int:
                            verbose=args.verbose, keep_logs=args.keep_logs,
                            max_restarts_per_minute=args.max_restarts,
                            curve_keys_dir=args.curve_keys_dir, hang_timeout_s=args.hang_timeout,
-                           served_model_names=args.served_model_name)
-    except CurveKeysError as e:
+                           served_model_names=args.served_model_name,
+                           compose_vars=placement_vars(args))
+    except (CurveKeysError, PlacementError) as e:
         print(f"pagoda: {e}", flush=True)
         return 1
     stop = threading.Event()

@@ -18,6 +18,7 @@ COMMANDS = {
     "detokenizer": ("services.detokenizer.main", "run a detokenizer service"),
     "gateway": ("services.gateway.main", "run the OpenAI-compatible HTTP gateway"),
 }
+SERVICES = {"engine", "worker", "tokenizer", "detokenizer", "gateway"}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -26,6 +27,13 @@ def main(argv: list[str] | None = None) -> None:
         prog="pagoda", description="pagoda: LLM inference as ZeroMQ + msgpack microservices")
     sub = parser.add_subparsers(dest="command", required=True)
     chosen = argv[0] if argv and argv[0] in COMMANDS else None
+    if chosen in SERVICES:
+        # Before the service's module imports torch: OpenMP reads its settings once, at load.
+        from shared.placement import PlacementError, apply_placement
+        try:
+            apply_placement(chosen)
+        except PlacementError as e:
+            sys.exit(f"pagoda {chosen}: {e}")
     module = None
     for name, (module_name, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text)

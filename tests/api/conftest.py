@@ -26,6 +26,11 @@ STACK_ENV = {"PAGODA_TRUST_REQUEST_CHAT_TEMPLATE": "true",
 # A second name for the model (--served-model-name MODEL MODEL_ALIAS): requests may use either.
 MODEL_ALIAS = "pagoda-test-alias"
 STACK_ENV["PAGODA_SERVED_MODEL_NAME"] = f"{MODEL} {MODEL_ALIAS}"
+# Placement as `pagoda serve --worker-cpus ... --service-nice 1` sets it (test_placement.py):
+# the worker's OpenMP threads bound one to each CPU this machine gives, the light services one
+# nice step down.
+PLACEMENT_VARS = {"PAGODA_WORKER_CPUS": ",".join(map(str, sorted(os.sched_getaffinity(0)))),
+                  "PAGODA_SERVICE_NICE": "1"}
 
 
 def _free_port() -> int:
@@ -38,7 +43,8 @@ def _free_port() -> int:
 def api_stack():
     root = tempfile.mkdtemp(prefix="papi-", dir="/tmp")  # short: ipc paths have a length limit
     stack = LocalStack(engine_args=ENGINE_ARGS, run_dir=os.path.join(root, "stack"),
-                       port=_free_port(), api_key=API_KEY, env=STACK_ENV)
+                       port=_free_port(), api_key=API_KEY, env=STACK_ENV,
+                       compose_vars=PLACEMENT_VARS)
     try:
         stack.start(timeout_s=300)
         yield stack

@@ -1,0 +1,35 @@
+"""Process placement through the compose file's variables, as `pagoda serve --worker-cpus
+--service-nice` sets them: each process applied its own at start (shared/placement.py)."""
+import os
+
+from tests.api.conftest import PLACEMENT_VARS
+
+
+def _nice(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[16])  # field 19: nice
+
+
+def _thread_cpus(pid: int) -> list[str]:
+    out = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/status") as f:
+            for line in f:
+                if line.startswith("Cpus_allowed_list:"):
+                    out.append(line.split(":", 1)[1].strip())
+    return out
+
+
+def test_the_light_services_run_one_nice_step_down_and_the_worker_does_not(api_stack):
+    for service, popens in api_stack.processes.items():
+        for popen in popens:
+            expected = 0 if service == "worker" else int(PLACEMENT_VARS["PAGODA_SERVICE_NICE"])
+            assert _nice(popen.pid) == expected, service
+
+
+def test_the_workers_openmp_threads_are_bound_one_to_each_of_its_cpus(api_stack):
+    cpus = PLACEMENT_VARS["PAGODA_WORKER_CPUS"].split(",")
+    bound = set(_thread_cpus(api_stack.processes["worker"][0].pid))
+    # The model ran at start (the profile run), so every OpenMP thread exists: each is bound
+    # to a single CPU of the list, and together they cover it.
+    assert bound == set(cpus)
