@@ -1,9 +1,10 @@
-"""CPU kernels in C (built on first use, see build.py): paged decode attention and the KV cache
-write, the element-wise layer ops, greedy sampling, the bf16 matmul on AMX, and a bf16 decoder
-layer's work around attention chained into two calls. Each computes what its torch counterpart
-computes (kernels/reference.py for attention and the cache write, the modules of
-services/worker/models/llama.py and the sampler for the rest), which stands in for it where it
-cannot run: another device or dtype, no C compiler, or PAGODA_CPU_KERNELS=0."""
+"""CPU kernels in C (built on first use, see build.py): paged decode attention, causal prefill
+attention for whole prompts, the KV cache write, the element-wise layer ops, greedy sampling,
+the bf16 matmul on AMX, and a bf16 decoder layer's work around attention chained into two
+calls. Each computes what its torch counterpart computes (kernels/reference.py for attention
+and the cache write, the modules of services/worker/models/llama.py and the sampler for the
+rest), which stands in for it where it cannot run: another device or dtype, no C compiler, or
+PAGODA_CPU_KERNELS=0."""
 import ctypes
 from collections.abc import Callable
 
@@ -15,6 +16,8 @@ _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "paged_decode": ([_P, _I64, _P, _P, _P, _I64, _P, _P, _INT, _INT, _INT, _INT, _INT, _F], _INT),
+    "causal_prefill": ([_P, _I64, _P, _I64, _P, _I64, _P, _INT, _I64, _INT, _INT, _INT, _F, _P],
+                       _INT),
     "rms_norm": ([_P, _I64, _P, _P, _P, _I64, _INT, _F], None),
     "rotary": ([_P, _I64, _P, _P, _I64, _INT, _INT, _I64], _INT),
     "greedy_sample": ([_P, _I64, _I64, _I64, _P, _P], None),
@@ -140,6 +143,88 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     if rc != 0:
         raise ValueError(f"cpu paged attention cannot run {num_heads} heads / {num_kv_heads} KV "
                          f"heads, head_dim {head_dim}, block_size {block_size}")
+    return out
+
+
+def prefill_paths() -> list[str]:
+    """The prefill attention paths this machine runs: "portable" everywhere the kernels build,
+    "avx512" where they were built with AVX-512, "amx" (bf16 only) where AMX is granted too."""
+    lib = load()
+    if lib is None:
+        return []
+    return (["portable"] + (["avx512"] if lib.prefill_simd_available() else [])
+            + (["amx"] if lib.prefill_amx_available() else []))
+
+
+def set_prefill_path(path: str) -> None:
+    """Run prefill attention on `path` ("amx" for bf16 is the fastest where it runs; each path
+    falls to the next one down where it cannot run: amx, avx512, portable), for comparing the
+    paths on one machine. Process-wide; the default is the fastest."""
+    lib = load()
+    if lib is not None:
+        lib.set_prefill_simd(int(path != "portable"))
+        lib.set_prefill_amx(int(path == "amx"))
+
+
+def causal_prefill_supports(dtype: torch.dtype, device: torch.device, num_heads: int,
+                            num_kv_heads: int, head_dim: int) -> bool:
+    """Whether `causal_prefill_attention` runs these shapes here (head_dim 64 or 128, query
+    heads a multiple of the KV heads, float32 or bfloat16 on the CPU, kernels built)."""
+    return (device.type == "cpu" and dtype in _SUFFIX and head_dim in (64, 128)
+            and num_heads % num_kv_heads == 0
+            and _function("causal_prefill", dtype) is not None)
+
+
+def _heads_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim] with each token's heads contiguous (tokens at any stride)."""
+    if x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        return x
+    return x.contiguous()
+
+
+def causal_prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             query_start_loc: torch.Tensor, max_query_len: int, scale: float,
+                             out: torch.Tensor | None = None) -> torch.Tensor:
+    """As kernels.reference.causal_prefill_attention, on the packed tokens with no padding:
+    query [T, num_heads, head_dim], key/value [T, num_kv_heads, head_dim] (each token's heads
+    contiguous, tokens at any stride), query_start_loc [num_seqs + 1] int64
+    -> [T, num_heads, head_dim], written into `out` (contiguous, query's shape and dtype) when
+    given. Raises ValueError for shapes the kernel does not run (see `causal_prefill_supports`)
+    and for query_start_loc not running from 0 to T in order, before writing anything."""
+    del max_query_len  # the kernel walks each sequence's own length
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    if not (key.dtype == value.dtype == query.dtype and key.shape == value.shape
+            and key.shape[0] == num_tokens and key.shape[2] == head_dim):
+        raise ValueError(f"causal prefill: query {tuple(query.shape)} {query.dtype}, key "
+                         f"{tuple(key.shape)} {key.dtype}, value {tuple(value.shape)} "
+                         f"{value.dtype} do not match")
+    if (query_start_loc.dtype != torch.int64 or query_start_loc.dim() != 1
+            or query_start_loc.numel() == 0):
+        raise ValueError(f"causal prefill: query_start_loc must be 1-d int64, not empty, got "
+                         f"{query_start_loc.dtype} {tuple(query_start_loc.shape)}")
+    query, key, value = (_heads_contiguous(t) for t in (query, key, value))
+    starts = query_start_loc.contiguous()
+    fn = _function("causal_prefill", query.dtype)
+    if fn is None:
+        raise RuntimeError(f"cpu prefill attention is unavailable for {query.dtype}: "
+                           f"{unavailable_reason() or 'dtype not supported'}")
+    if out is None:
+        out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype)
+    elif not (out.shape == query.shape and out.dtype == query.dtype and out.is_contiguous()):
+        raise ValueError(f"causal prefill: out must be contiguous {tuple(query.shape)} "
+                         f"{query.dtype}, got {tuple(out.shape)} {out.dtype}")
+    rc = fn(query.data_ptr(), query.stride(0), key.data_ptr(), key.stride(0), value.data_ptr(),
+            value.stride(0), starts.data_ptr(), starts.shape[0] - 1, num_tokens, num_heads,
+            num_kv_heads, head_dim, scale, out.data_ptr())
+    if rc == -1:
+        raise ValueError(f"cpu prefill attention cannot run {num_heads} heads / {num_kv_heads} "
+                         f"KV heads, head_dim {head_dim}")
+    if rc == -3:
+        raise ValueError(f"causal prefill: query_start_loc must run from 0 to {num_tokens} in "
+                         f"order, got {starts.tolist()}")
+    if rc != 0:
+        raise MemoryError(f"cpu prefill attention: out of memory for {num_tokens} tokens")
     return out
 
 
