@@ -1,26 +1,34 @@
 """Serving benchmark: random-token prompts streamed through the HTTP API at Poisson request rates.
 
-For each `--request-rate` (requests/s; `inf` sends them all at once) it reports request and
-output-token throughput, time to first token (TTFT), time per output token after the first
-(TPOT), inter-token latency (ITL, the gaps between stream chunks) and end-to-end latency: mean,
-p50, p90, p99 in milliseconds. Prompts are token ids with `ignore_eos`, so every request reads
-`--input-len` tokens and writes `--output-len`.
+For each `--request-rate` (requests/s; `inf` sends them all at once; `--max-concurrency` caps the
+requests in flight) it reports request and output-token throughput, time to first token (TTFT),
+time per output token after the first (TPOT), inter-token latency (ITL, the gaps between stream
+chunks) and end-to-end latency: mean, p50, p90, p99 in milliseconds. Prompts are token ids with
+`ignore_eos`, so every request reads `--input-len` tokens and writes `--output-len`. The client
+(ops/bench/serve_client.py): `--client httpx` (lean, the default), `openai` (the official
+library), or `vllm` (vLLM's own `bench serve`, run by `--vllm-python`).
+
+Against a running server (`--base-url`), or, with `--baseline vllm` (or `pagoda`, alone), on
+servers the benchmark starts and stops itself, one at a time, in alternating rounds with warm
+passes and extra workloads: see ops/bench/serve_compare.py.
 """
 import argparse
 import asyncio
 import json
-import math
 import os
-import random
-import statistics
-import time
-from dataclasses import dataclass, field
+import resource
+
+from ops.bench.serve_client import (CLIENTS, make_client, make_prompts, new_result_dir,
+                                    print_summary, run_at_rate, run_vllm_bench, summarize,
+                                    vllm_command)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000",
                         help="the gateway (without /v1)")
-    parser.add_argument("--model", default=None, help="default: the first of /v1/models")
+    parser.add_argument("--model", default=None,
+                        help="the model name requests use (default: the first of /v1/models); "
+                             "with --baseline, the model both servers load")
     parser.add_argument("--api-key", default=None, help="default: $PAGODA_API_KEY")
     parser.add_argument("--request-rate", nargs="+", default=["inf"],
                         help="requests per second, one run per value; inf = all at once")
@@ -33,121 +41,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     parser.add_argument("--output-json", default=None, help="save the results here")
     parser.add_argument("--plot", default=None, help="save a PNG plot here")
-
-
-@dataclass
-class RequestResult:
-    ok: bool = False
-    error: str = ""
-    start: float = 0.0
-    ttft: float = 0.0  # seconds to the first token
-    latency: float = 0.0  # seconds to the last byte
-    output_tokens: int = 0
-    itl: list[float] = field(default_factory=list)  # gaps between token-bearing chunks
-
-    @property
-    def tpot(self) -> float | None:
-        if self.output_tokens < 2:
-            return None
-        return (self.latency - self.ttft) / (self.output_tokens - 1)
-
-
-def make_prompts(tokenizer_path: str | None, num_prompts: int, input_len: int,
-                 seed: int) -> list[list[int]]:
-    from ops.bench.throughput import make_workload
-    from shared.tokenizer import get_tokenizer
-    tokenizer = get_tokenizer(tokenizer_path)
-    return make_workload(len(tokenizer), set(tokenizer.all_special_ids), num_prompts,
-                         input_len, seed)
-
-
-async def send_request(client, model: str, prompt: list[int], output_len: int,
-                       timeout: float) -> RequestResult:
-    result = RequestResult(start=time.perf_counter())
-    last = None
-    try:
-        stream = await client.completions.create(
-            model=model, prompt=prompt, max_tokens=output_len, temperature=0.0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-            timeout=timeout)
-        async for chunk in stream:
-            now = time.perf_counter()
-            if chunk.usage is not None:
-                result.output_tokens = chunk.usage.completion_tokens
-            if chunk.choices and chunk.choices[0].text:
-                if last is None:
-                    result.ttft = now - result.start
-                else:
-                    result.itl.append(now - last)
-                last = now
-        result.latency = time.perf_counter() - result.start
-        result.ok = last is not None
-        if not result.ok:
-            result.error = "no tokens streamed"
-    except Exception as e:  # one failed request is a data point, not the end of the run
-        result.error = f"{type(e).__name__}: {e}"
-    return result
-
-
-async def run_at_rate(client, model: str, prompts: list[list[int]], output_len: int, rate: float,
-                      seed: int, timeout: float) -> tuple[list[RequestResult], float]:
-    rng = random.Random(seed)
-    tasks = []
-    start = time.perf_counter()
-    for prompt in prompts:
-        tasks.append(asyncio.create_task(send_request(client, model, prompt, output_len, timeout)))
-        if math.isfinite(rate):
-            await asyncio.sleep(rng.expovariate(rate))  # Poisson arrivals
-    results = await asyncio.gather(*tasks)
-    return results, time.perf_counter() - start
-
-
-def _stats_ms(values: list[float]) -> dict:
-    if not values:
-        return {"mean": None, "p50": None, "p90": None, "p99": None}
-    ordered = sorted(values)
-
-    def pct(p: float) -> float:  # linear interpolation between closest ranks
-        k = (len(ordered) - 1) * p / 100
-        lo, hi = math.floor(k), math.ceil(k)
-        return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
-    return {"mean": 1000 * statistics.fmean(ordered), "p50": 1000 * pct(50),
-            "p90": 1000 * pct(90), "p99": 1000 * pct(99)}
-
-
-def summarize(rate: float, results: list[RequestResult], duration: float, input_len: int) -> dict:
-    done = [r for r in results if r.ok]
-    out_tokens = sum(r.output_tokens for r in done)
-    return {
-        "request_rate": "inf" if math.isinf(rate) else rate,
-        "completed": len(done), "failed": len(results) - len(done),
-        "errors": sorted({r.error for r in results if not r.ok})[:5],
-        "duration_s": duration,
-        "request_throughput": len(done) / duration,
-        "output_throughput": out_tokens / duration,
-        "total_token_throughput": (out_tokens + input_len * len(done)) / duration,
-        "total_output_tokens": out_tokens,
-        "ttft_ms": _stats_ms([r.ttft for r in done]),
-        "tpot_ms": _stats_ms([r.tpot for r in done if r.tpot is not None]),
-        "itl_ms": _stats_ms([gap for r in done for gap in r.itl]),
-        "e2e_latency_ms": _stats_ms([r.latency for r in done]),
-    }
-
-
-def print_summary(s: dict) -> None:
-    print(f"--- request rate {s['request_rate']} req/s: {s['completed']} done, "
-          f"{s['failed']} failed in {s['duration_s']:.1f} s")
-    if s["errors"]:
-        print(f"  errors: {s['errors']}")
-    print(f"  request throughput {s['request_throughput']:.3f} req/s, output "
-          f"{s['output_throughput']:.1f} tok/s, total {s['total_token_throughput']:.1f} tok/s")
-    print(f"  {'(ms)':8} {'mean':>10} {'p50':>10} {'p90':>10} {'p99':>10}")
-    for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"),
-                      ("e2e_latency_ms", "E2E")):
-        row = s[key]
-        cells = "".join(f"{row[p]:>11.1f}" if row[p] is not None else f"{'-':>11}"
-                        for p in ("mean", "p50", "p90", "p99"))
-        print(f"  {name:8}{cells}")
+    parser.add_argument("--max-concurrency", type=int, default=None,
+                        help="at most this many requests in flight (default: no limit)")
+    parser.add_argument("--client", choices=CLIENTS, default="httpx",
+                        help="httpx: lean streaming client (default); openai: the official "
+                             "library; vllm: vLLM's own `bench serve` (needs --vllm-python)")
+    parser.add_argument("--vllm-python", default=None,
+                        help="the Python of a venv with vLLM (for --baseline vllm, --client vllm)")
+    managed = parser.add_argument_group(
+        "managed servers (--baseline): the benchmark starts and stops each server itself")
+    managed.add_argument("--baseline", choices=["vllm", "pagoda"], default=None,
+                         help="vllm: pagoda serve and vllm serve in alternating rounds; "
+                              "pagoda: pagoda serve alone; --base-url is then unused")
+    managed.add_argument("--rounds", type=int, default=2,
+                         help="each round starts each system fresh, led by the next system")
+    managed.add_argument("--warm-passes", type=int, default=2,
+                         help="passes after the first, each on fresh prompts")
+    managed.add_argument("--extra-workload", nargs="*", default=[], metavar="NxINxOUT",
+                         help="once per system and round after the main passes, e.g. "
+                              "64x1024x64 256x32x32")
+    managed.add_argument("--run-dir", default=None,
+                         help="the servers' logs and run folders (default: a new /tmp folder)")
+    managed.add_argument("--startup-timeout", type=float, default=600.0,
+                         help="seconds a server has to answer /v1/models")
+    from ops.bench.serve_compare import add_engine_arguments
+    add_engine_arguments(parser)
 
 
 def save_plot(path: str, summaries: list[dict], title: str) -> None:
@@ -179,32 +97,71 @@ def save_plot(path: str, summaries: list[dict], title: str) -> None:
 
 
 async def _bench(args: argparse.Namespace, rates: list[float], prompts: list[list[int]]) -> dict:
-    import openai
     api_key = args.api_key or os.environ.get("PAGODA_API_KEY") or "none"
-    client = openai.AsyncOpenAI(base_url=args.base_url.rstrip("/") + "/v1", api_key=api_key,
-                                max_retries=0, timeout=args.timeout)
-    async with client:
-        model = args.model or (await client.models.list()).data[0].id
+    client = make_client(args.client, args.base_url, api_key,
+                         args.max_concurrency or len(prompts), args.timeout)
+    try:
+        model = args.model or await client.model()
         # One short request first: the first request of a fresh stack pays for warm-up.
-        await send_request(client, model, prompts[0][:8], 2, args.timeout)
+        await client.send(model, prompts[0][:8], 2)
         summaries = []
         for i, rate in enumerate(rates):
+            before = resource.getrusage(resource.RUSAGE_SELF)
             results, duration = await run_at_rate(client, model, prompts, args.output_len, rate,
-                                                  args.seed + i, args.timeout)
+                                                  args.seed + i, args.max_concurrency)
+            after = resource.getrusage(resource.RUSAGE_SELF)
             summary = summarize(rate, results, duration, args.input_len)
+            summary["client_cpu_s"] = (after.ru_utime + after.ru_stime
+                                       - before.ru_utime - before.ru_stime)
             print_summary(summary)
+            print(f"  client CPU {summary['client_cpu_s']:.2f} s ({args.client})")
             summaries.append(summary)
-    return {"model": model, "base_url": args.base_url, "summaries": summaries}
+    finally:
+        await client.close()
+    return {"model": model, "base_url": args.base_url, "client": args.client,
+            "summaries": summaries}
+
+
+def _bench_with_vllm_client(args: argparse.Namespace, rates: list[float]) -> dict:
+    """vLLM's `bench serve` against the running server, one run per rate (its own prompts)."""
+    import httpx
+    from ops.bench.throughput import hf_folder_for
+    from shared.config import EngineArgs
+    if not (args.vllm_python and os.access(args.vllm_python, os.X_OK)):
+        raise SystemExit("--client vllm needs --vllm-python: the Python of a venv with vLLM")
+    models = httpx.get(args.base_url.rstrip("/") + "/v1/models", timeout=30).json()
+    model = args.model or models["data"][0]["id"]
+    tokenizer = args.tokenizer or hf_folder_for(
+        EngineArgs().create_engine_config().model_config)
+    summaries = []
+    for i, rate in enumerate(rates):
+        result_dir = new_result_dir()
+        command = vllm_command(args.vllm_python, args.base_url, model, tokenizer,
+                               args.num_prompts, args.input_len, args.output_len, rate,
+                               args.max_concurrency, args.seed + i, result_dir)
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        summary = run_vllm_bench(command, result_dir, rate,
+                                 os.path.join(result_dir, "vllm-bench.log"), args.timeout * 4)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        summary["client_cpu_s"] = (after.ru_utime + after.ru_stime
+                                   - before.ru_utime - before.ru_stime)  # its start-up included
+        print_summary(summary)
+        summaries.append(summary)
+    return {"model": model, "base_url": args.base_url, "client": "vllm", "summaries": summaries}
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.baseline:
+        from ops.bench import serve_compare
+        return serve_compare.run(args)
     rates = [float(r) for r in args.request_rate]
     if any(not r > 0 for r in rates):
         raise SystemExit("--request-rate values must be positive (or inf)")
     prompts = make_prompts(args.tokenizer, args.num_prompts, args.input_len, args.seed)
     print(f"workload: {args.num_prompts} prompts x {args.input_len} input x {args.output_len} "
           f"output tokens; rates {', '.join(args.request_rate)} req/s; {args.base_url}")
-    result = asyncio.run(_bench(args, rates, prompts))
+    result = (_bench_with_vllm_client(args, rates) if args.client == "vllm"
+              else asyncio.run(_bench(args, rates, prompts)))
     result["workload"] = {"num_prompts": args.num_prompts, "input_len": args.input_len,
                           "output_len": args.output_len, "seed": args.seed}
     if args.output_json:

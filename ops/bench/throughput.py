@@ -1,23 +1,32 @@
-"""Offline throughput on a fixed random-token workload, with an optional transformers baseline.
+"""Offline throughput on random-token workloads, with optional baselines on the same prompts.
 
 Reports requests/s, output and total tokens/s, and the fraction of the machine's matmul rate
-that the model's FLOPs per token times total tokens/s reach. Baselines on the same workload in
-the same run: `--baseline hf` runs transformers' `generate` with static, left-padded batches;
-`--baseline vllm --vllm-python VENV/bin/python` runs vLLM's offline `LLM` in that interpreter
-(vLLM lives in its own venv; the model is handed to it as a Hugging Face folder, exported from
-a GGUF file when that is what pagoda serves). `--repeats N` runs every system N times, each
-time on fresh prompts, and reports the median run. pagoda and the baselines stay loaded and take
-turns, one run each per round (each round led by the next system), so that a machine whose speed
-drifts slows them alike; each round's ratio is kept beside the ratio of the medians.
+that the model's FLOPs per token times total tokens/s reach (the best of several measurements of
+that rate, see ops/bench/yardstick.py). Workloads (ops/bench/workloads.py, `--workloads fixed
+mixed`): `fixed`, every prompt `--input-len` tokens; `mixed`, lengths drawn from
+`--input-len-range`. Baselines in the same run: `--baseline hf` runs transformers' `generate`
+with static, left-padded batches; `--baseline vllm --vllm-python VENV/bin/python` runs vLLM's
+offline `LLM` in that interpreter (vLLM lives in its own venv; the model is handed to it as a
+Hugging Face folder, exported from a GGUF file when that is what pagoda serves). The systems load
+once and take turns: each round runs every workload on every system, one run each, each round
+led by the next system, so that a machine whose speed drifts slows them alike. `--repeats N`
+runs N rounds, each on fresh prompts, and reports the median run per workload and system, and
+each round's ratio beside the ratio of the medians.
 """
 import argparse
 import json
 import platform
-import random
 import statistics
 import time
 
 import torch
+
+from ops.bench.workloads import WORKLOAD_NAMES, Workload, build_workloads, make_workload
+from ops.bench.yardstick import Yardstick
+from ops.bench.processes import (
+    process_tree, process_tree_cpu_s, signal_tree, wait_until_idle)
+
+__all__ = ["make_workload", "process_tree", "process_tree_cpu_s"]  # imported from here elsewhere
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,12 +34,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--input-len-range", type=int, nargs=2, default=[64, 256],
+                        metavar=("LOW", "HIGH"),
+                        help="the `mixed` workload's prompt lengths: uniform in [LOW, HIGH]")
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOAD_NAMES, default=["fixed"],
+                        help="run each of these in every round: fixed (--num-prompts x "
+                             "--input-len), mixed (--num-prompts x --input-len-range)")
     parser.add_argument("--baseline", nargs="+", choices=["none", "hf", "vllm"], default=["none"])
     parser.add_argument("--vllm-python", default=None,
                         help="the Python of a venv with vLLM installed (for --baseline vllm)")
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=1,
-                        help="run the workload this many times on each system, each time with "
+                        help="run each workload this many times on each system, each time with "
                              "fresh prompts (so no prefix cache helps), and report the median; "
                              "on a noisy machine, the spread says how far one run can be trusted")
     parser.add_argument("--output-json", default=None, help="save the results here")
@@ -39,27 +54,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "processes, no HTTP) and compare with in-process")
     parser.add_argument("--tokenizers", type=int, default=1)
     EngineArgs.add_cli_args(parser)
-
-
-def make_workload(vocab_size: int, special_ids: set[int], num_prompts: int, input_len: int,
-                  seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    allowed = [t for t in range(vocab_size) if t not in special_ids]
-    return [[rng.choice(allowed) for _ in range(input_len)] for _ in range(num_prompts)]
-
-
-def matmul_gflops(dtype: torch.dtype, device: torch.device, n: int = 2048, seconds: float = 2.0) -> float:
-    """The rate of a large square matmul in this dtype: the machine's practical peak."""
-    a = torch.randn(n, n, dtype=dtype, device=device)
-    b = torch.randn(n, n, dtype=dtype, device=device)
-    torch.matmul(a, b)
-    iters, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        torch.matmul(a, b)
-        iters += 1
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return 2 * n ** 3 * iters / (time.perf_counter() - start) / 1e9
 
 
 class PagodaRunner:
@@ -93,19 +87,27 @@ class PagodaRunner:
         pass
 
 
-def run_alternating(systems: list, workloads: list[list[list[int]]]) -> dict[str, dict]:
-    """Each workload on every system in turn (a round), so that drift in the machine's speed
-    reaches all of them alike; each round starts with the next system, so that none always runs
-    first. -> per system: every run's time and the output token count."""
-    results = {system.name: {"runs_s": []} for system in systems}
-    for i, prompts in enumerate(workloads):
-        for system in systems[i % len(systems):] + systems[:i % len(systems)]:
-            seconds, n_out = system.run(prompts)
-            results[system.name]["runs_s"].append(seconds)
-            results[system.name]["output_tokens"] = n_out
+def run_alternating(systems: list, workloads: list[Workload],
+                    after_round=None) -> dict[str, dict[str, dict]]:
+    """Round after round, every workload on every system in turn, so that drift in the
+    machine's speed reaches all of them alike; each round starts with the next system, so that
+    none always runs first. `after_round(i)` is called once round i has ended (every system
+    idle). -> per workload, per system: every run's time, the output token count (of the last
+    run) and the system's report."""
+    results = {w.name: {s.name: {"runs_s": []} for s in systems} for w in workloads}
+    for i in range(len(workloads[0].rounds)):
+        for workload in workloads:
+            for system in systems[i % len(systems):] + systems[:i % len(systems)]:
+                seconds, n_out = system.run(workload.rounds[i])
+                results[workload.name][system.name]["runs_s"].append(seconds)
+                results[workload.name][system.name]["output_tokens"] = n_out
+        if after_round is not None:
+            after_round(i)
     for system in systems:
-        results[system.name].update({**system.report(), **_timings(
-            results[system.name]["runs_s"])})
+        report = system.report()
+        for workload in workloads:
+            measured = results[workload.name][system.name]
+            measured.update({**report, **_timings(measured["runs_s"])})
     return results
 
 
@@ -114,9 +116,10 @@ def _timings(runs: list[float]) -> dict:
     return {"elapsed_s": statistics.median(runs), "runs_s": runs}
 
 
-def run_stack(engine_args, workloads: list[list[list[int]]], output_len: int,
-              tokenizers: int) -> dict:
-    """The same workload through real processes and sockets, submitted with AsyncEngineClient."""
+def run_stack(engine_args, workloads: list[Workload], output_len: int,
+              tokenizers: int) -> dict[str, dict]:
+    """The same workloads through real processes and sockets, submitted with
+    AsyncEngineClient, one workload's rounds after the other -> per workload, what it measured."""
     import asyncio
 
     from ops.launcher import LocalStack
@@ -141,23 +144,27 @@ def run_stack(engine_args, workloads: list[list[list[int]]], output_len: int,
             finally:
                 client.close()
 
-        asyncio.run(submit_all([p[:8] for p in workloads[0][:2]],
+        asyncio.run(submit_all([p[:8] for p in workloads[0].rounds[0][:2]],
                                SamplingParams(max_tokens=2, ignore_eos=True)))
-        before = probe_health(worker_ctl, 5).details
-        runs = []
-        for prompts in workloads:
-            start = time.perf_counter()
-            counts = asyncio.run(submit_all(prompts, params))
-            runs.append(time.perf_counter() - start)
-        after = probe_health(worker_ctl, 5).details
-        engine = probe_health(stack.stack_config.engine_control, 5).details
-    busy = after["busy_s"] - before["busy_s"]
-    idle = after["idle_s"] - before["idle_s"]
-    return {"startup_s": startup, **_timings(runs), "output_tokens": sum(counts),
-            "worker_busy_s": busy, "worker_idle_s": idle,
-            "worker_idle_fraction": idle / max(busy + idle, 1e-9),
-            "worker_steps_all_runs": after["steps"] - before["steps"],
-            "last_step_bytes": engine.get("last_step_bytes"), "tokenizers": tokenizers}
+        results = {}
+        for workload in workloads:
+            before = probe_health(worker_ctl, 5).details
+            runs = []
+            for prompts in workload.rounds:
+                start = time.perf_counter()
+                counts = asyncio.run(submit_all(prompts, params))
+                runs.append(time.perf_counter() - start)
+            after = probe_health(worker_ctl, 5).details
+            engine = probe_health(stack.stack_config.engine_control, 5).details
+            busy = after["busy_s"] - before["busy_s"]
+            idle = after["idle_s"] - before["idle_s"]
+            results[workload.name] = {
+                "startup_s": startup, **_timings(runs), "output_tokens": sum(counts),
+                "worker_busy_s": busy, "worker_idle_s": idle,
+                "worker_idle_fraction": idle / max(busy + idle, 1e-9),
+                "worker_steps_all_runs": after["steps"] - before["steps"],
+                "last_step_bytes": engine.get("last_step_bytes"), "tokenizers": tokenizers}
+    return results
 
 
 class HfRunner:
@@ -223,62 +230,6 @@ def hf_folder_for(model_config) -> str:
     return folder
 
 
-def process_tree(pid: int) -> list[int]:
-    """A process and its descendants (Linux /proc; just the process elsewhere)."""
-    import glob
-    tree, pending = [], [pid]
-    while pending:
-        p = pending.pop()
-        tree.append(p)
-        for children in glob.glob(f"/proc/{p}/task/*/children"):
-            try:
-                with open(children) as f:
-                    pending += [int(c) for c in f.read().split()]
-            except (OSError, ValueError):
-                continue  # gone meanwhile
-    return tree
-
-
-def process_tree_cpu_s(pid: int) -> float:
-    """CPU seconds used so far by a process, its threads and its descendants (Linux /proc)."""
-    import os
-    total = 0
-    for p in process_tree(pid):
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])  # utime, stime
-        except (OSError, ValueError):
-            continue  # gone meanwhile
-    return total / os.sysconf("SC_CLK_TCK")
-
-
-def signal_tree(pid: int, sig: int) -> None:
-    import os
-    for p in process_tree(pid):
-        try:
-            os.kill(p, sig)
-        except ProcessLookupError:
-            pass
-
-
-def wait_until_idle(pid: int, below_cores: float = 0.1, window_s: float = 0.25,
-                    timeout_s: float = 30.0) -> float:
-    """Waits until the process tree uses under `below_cores` over a window -> seconds waited."""
-    import os
-    if not os.path.exists(f"/proc/{pid}/stat"):
-        return 0.0
-    start = time.perf_counter()
-    last = process_tree_cpu_s(pid)
-    while time.perf_counter() - start < timeout_s:
-        time.sleep(window_s)
-        now = process_tree_cpu_s(pid)
-        if now - last < below_cores * window_s:
-            break
-        last = now
-    return time.perf_counter() - start
-
-
 class VllmPeer:
     """vLLM's offline LLM in its own interpreter (ops/bench/vllm_peer.py), kept loaded between
     its runs: prompts go to it on its stdin, each run's time comes back on a pipe. Between its
@@ -307,7 +258,12 @@ class VllmPeer:
                # vLLM's CPU build reads this as the share of the machine's memory to claim
                # (0.92 by default), which fails while this process holds some; elsewhere its
                # default stands.
-               "memory_fraction": 0.5 if config.device_config.device.type == "cpu" else 0.9}
+               "memory_fraction": 0.5 if config.device_config.device.type == "cpu" else 0.9,
+               # On the CPU, its KV cache gets the bytes pagoda's has: then vLLM does not ask
+               # for that share of the machine either (which failed while other processes held
+               # half the memory), and both systems run with the same cache.
+               "kv_cache_memory_bytes": (int(config.cache_config.kv_cache_space_gib * 2 ** 30)
+                                         if config.cache_config.kv_cache_space_gib else None)}
         # vLLM's CPU build keeps a core for its scheduler unless told which to use; the
         # comparison runs its OpenMP threads on every core this process may use, as pagoda's.
         env = dict(os.environ)
@@ -390,6 +346,8 @@ class VllmPeer:
 
 
 def run(args: argparse.Namespace) -> int:
+    import os
+
     from shared.config import EngineArgs
     from shared.tokenizer import get_tokenizer
     engine_args = EngineArgs.from_cli_args(args)
@@ -397,75 +355,94 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = get_tokenizer(config.model_config.tokenizer)
     if args.repeats < 1:
         raise SystemExit("--repeats must be at least 1")
-    workloads = [make_workload(config.model_config.vocab_size, set(tokenizer.all_special_ids),
-                               args.num_prompts, args.input_len, args.seed + r)
-                 for r in range(args.repeats)]
-    total_in = args.num_prompts * args.input_len
+    workloads = build_workloads(args.workloads, config.model_config.vocab_size,
+                                set(tokenizer.all_special_ids), args.num_prompts, args.input_len,
+                                tuple(args.input_len_range), args.repeats, args.seed)
     dtype = config.model_config.dtype
     device = config.device_config.device
-    print(f"workload: {args.num_prompts} prompts x {args.input_len} input x {args.output_len} "
-          f"output tokens, dtype {str(dtype).removeprefix('torch.')}, device {device}"
-          + (f", {args.repeats} runs each (median)" if args.repeats > 1 else ""))
+    print(f"workloads: {'; '.join(f'{w.name}, {w.description}' for w in workloads)}; "
+          f"{args.output_len} output tokens each, dtype {str(dtype).removeprefix('torch.')}, "
+          f"device {device}" + (f", {args.repeats} rounds (median)" if args.repeats > 1 else ""))
 
-    peak = matmul_gflops(dtype, device)
-    result = {"workload": {"num_prompts": args.num_prompts, "input_len": args.input_len,
-                           "output_len": args.output_len, "seed": args.seed,
-                           "repeats": args.repeats},
-              "dtype": str(dtype).removeprefix("torch."), "device": str(device),
-              "machine": {"cpus": torch.get_num_threads(), "platform": platform.platform()},
-              "matmul_gflops": peak, "engine_args": engine_args.to_dict()}
+    # The matmul rate is measured with nothing of the benchmark's running: before the baselines
+    # start, and after every round (a peer is stopped between its runs; what still runs in this
+    # process tree is waited out first).
+    yardstick = Yardstick(dtype, device)
+    yardstick.measure("before the systems start")
 
-    systems = [PagodaRunner(engine_args, args.output_len, workloads[0])]
+    def measure_after_round(i: int) -> None:
+        wait_until_idle(os.getpid())
+        yardstick.measure(f"after round {i + 1}")
+
+    systems = [PagodaRunner(engine_args, args.output_len, workloads[0].rounds[0])]
     try:
         if "vllm" in args.baseline:
-            systems.append(VllmPeer(args.vllm_python, config, args.output_len, workloads))
+            systems.append(VllmPeer(args.vllm_python, config, args.output_len,
+                                    [prompts for w in workloads for prompts in w.rounds]))
         if "hf" in args.baseline:
             systems.append(HfRunner(config.model_config, args.output_len, args.hf_batch_size))
         if len(systems) > 1:
             print(f"alternating runs: {', '.join(s.name for s in systems)}, one each per round")
-        results = run_alternating(systems, workloads)
+        results = run_alternating(systems, workloads, measure_after_round)
     finally:
         for system in systems:
             system.close()
+    stack = (run_stack(engine_args, workloads, args.output_len, args.tokenizers)
+             if args.stack else {})
 
+    result = {"workloads": {}, "output_len": args.output_len, "seed": args.seed,
+              "repeats": args.repeats, "dtype": str(dtype).removeprefix("torch."),
+              "device": str(device),
+              "machine": {"cpus": torch.get_num_threads(), "platform": platform.platform()},
+              **yardstick.summary(), "engine_args": engine_args.to_dict()}
+    print(yardstick.describe())
+    for workload in workloads:
+        print(f"workload {workload.name}: {workload.description} x {args.output_len} output")
+        result["workloads"][workload.name] = _report_workload(
+            workload, results[workload.name], stack.get(workload.name), yardstick, args)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=2, default=str)
+        print(f"saved {args.output_json}")
+    return 0
+
+
+def _report_workload(workload: Workload, results: dict[str, dict], stack: dict | None,
+                     yardstick: Yardstick, args: argparse.Namespace) -> dict:
+    """One workload's figures, printed -> its part of the JSON result."""
     for measured in results.values():
-        measured.update(_rates(measured, args.num_prompts, total_in))
-    r = results["pagoda"]
+        measured.update(_rates(measured, workload.num_prompts, workload.input_tokens))
+    result = {"workload": {**workload.summary(), "output_len": args.output_len}}
+    r = result["pagoda"] = results["pagoda"]
     flops_per_token = 2 * r["num_params"]
-    r["fraction_of_matmul_peak"] = flops_per_token * r["total_tok_s"] / (peak * 1e9)
-    result["pagoda"] = r
+    r["fraction_of_matmul_peak"] = yardstick.fraction(flops_per_token * r["total_tok_s"])
     _print("pagoda", r)
-    print(f"  model {flops_per_token / 1e9:.3f} GFLOP/token; matmul {peak:.0f} GFLOP/s -> "
-          f"{peak * 1e9 / flops_per_token:.0f} tok/s at peak; pagoda reaches "
+    print(f"  model {flops_per_token / 1e9:.3f} GFLOP/token; matmul {yardstick.best:.0f} GFLOP/s "
+          f"-> {yardstick.best * 1e9 / flops_per_token:.0f} tok/s at peak; pagoda reaches "
           f"{100 * r['fraction_of_matmul_peak']:.1f}% of it")
 
-    if args.stack:
-        st = run_stack(engine_args, workloads, args.output_len, args.tokenizers)
-        st.update(_rates(st, args.num_prompts, total_in))
-        result["stack"] = st
-        _print(f"pagoda stack ({args.tokenizers} tokenizer(s), ZMQ processes)", st)
-        result["ratio_stack_vs_inprocess"] = st["output_tok_s"] / r["output_tok_s"]
+    if stack is not None:
+        stack.update(_rates(stack, workload.num_prompts, workload.input_tokens))
+        result["stack"] = stack
+        _print(f"pagoda stack ({args.tokenizers} tokenizer(s), ZMQ processes)", stack)
+        result["ratio_stack_vs_inprocess"] = stack["output_tok_s"] / r["output_tok_s"]
         print(f"  stack / in-process (output tok/s): {result['ratio_stack_vs_inprocess']:.3f}; "
-              f"worker idle between forward passes: {100 * st['worker_idle_fraction']:.2f}% "
-              f"of step time over {st['worker_steps_all_runs']} steps")
+              f"worker idle between forward passes: {100 * stack['worker_idle_fraction']:.2f}% "
+              f"of step time over {stack['worker_steps_all_runs']} steps")
 
     if "vllm" in results:
         v = result["vllm"] = results["vllm"]
         _print(f"vLLM {v['version']} (its offline LLM, started in {v['startup_s']:.0f} s)", v)
         print(_compare(result, "vllm", "vLLM", "ratio_vs_vllm_output_tok_s",
                        "ratio_vs_vllm_by_round")
-              + (f"; stack / vLLM: {result['stack']['output_tok_s'] / v['output_tok_s']:.2f}x"
-                 if "stack" in result else ""))
+              + (f"; stack / vLLM: {stack['output_tok_s'] / v['output_tok_s']:.2f}x"
+                 if stack is not None else ""))
 
     if "hf" in results:
         result["hf"] = results["hf"]
         _print(f"transformers (static batches of {args.hf_batch_size})", results["hf"])
         print(_compare(result, "hf", "transformers", "ratio_output_tok_s", "ratio_by_round"))
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=2, default=str)
-        print(f"saved {args.output_json}")
-    return 0
+    return result
 
 
 def _compare(result: dict, baseline: str, label: str, ratio_key: str, rounds_key: str) -> str:
