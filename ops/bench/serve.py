@@ -151,9 +151,15 @@ def _bench_with_vllm_client(args: argparse.Namespace, rates: list[float]) -> dic
 
 
 def run(args: argparse.Namespace) -> int:
+    from ops.bench import serve_compare
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise SystemExit("--max-concurrency must be at least 1")
     if args.baseline:
-        from ops.bench import serve_compare
         return serve_compare.run(args)
+    unused = sorted(set(serve_compare.user_engine_args(args)) - {"model", "tokenizer"})
+    if unused:
+        raise SystemExit(f"engine flags ({', '.join(unused)}) configure the servers that "
+                         "--baseline starts; against --base-url they would change nothing")
     rates = [float(r) for r in args.request_rate]
     if any(not r > 0 for r in rates):
         raise SystemExit("--request-rate values must be positive (or inf)")

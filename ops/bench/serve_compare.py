@@ -197,7 +197,7 @@ def _vllm_settings(engine_args: dict, config, served_name: str) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shared.config import EngineArgs
+    from shared.config import ConfigError, EngineArgs
     from shared.model_source import DEFAULT_MODEL_NAME
     from ops.bench.serve_servers import PagodaServer, VllmServer
     rates = [float(r) for r in args.request_rate]
@@ -212,7 +212,10 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--baseline vllm and --client vllm need --vllm-python: the Python of a "
                          "venv with vLLM (e.g. /work/vllm-venv/bin/python)")
     engine_args = user_engine_args(args)
-    config = EngineArgs(**engine_args).create_engine_config()
+    try:
+        config = EngineArgs(**engine_args).create_engine_config()
+    except ConfigError as e:
+        raise SystemExit(f"pagoda bench serve: {e}")
     folder = None
     if needs_vllm:
         from ops.bench.throughput import hf_folder_for
