@@ -253,6 +253,8 @@ def run(args: argparse.Namespace) -> int:
                 print(f"[round {r}] {system}: ready in {ready_s:.0f} s", flush=True)
                 servers_info.append({"system": system, "round": r, "ready_s": ready_s,
                                      "pid": server.proc.pid, "command": server.command,
+                                     "env": {k: v for k, v in server.env.items()
+                                             if k.startswith("VLLM_")},
                                      "log": server.log_path})
                 for p in run_system_passes(args, server, plan, prompts, warmup, rate, folder,
                                            run_dir):
