@@ -389,19 +389,30 @@ static void amx_pack(const uint16_t *key, int64_t k_stride, const uint16_t *valu
     for (int64_t i = 0; i < num_kv_heads * num_blocks; i++) {
         const int kh = (int)(i / num_blocks);
         const int64_t t0 = (i % num_blocks) * AMX_KEYS;
-        uint16_t *kb = kp + i * block_elems, *vb = vp + i * block_elems;
+        /* moved as 32-bit pairs: K's pairs are two dims of one key, V's two keys of one dim */
+        uint32_t *kb = (uint32_t *)(kp + i * block_elems), *vb = (uint32_t *)(vp + i * block_elems);
         for (int t = 0; t < AMX_KEYS; t++) {
-            const int live = t0 + t < num_tokens;
-            const uint16_t *k_row = key + (t0 + t) * k_stride + (int64_t)kh * head_dim;
-            const uint16_t *v_row = value + (t0 + t) * v_stride + (int64_t)kh * head_dim;
-            for (int d = 0; d < head_dim; d++) {
-                /* K: tile (d / 32, t / 16), row (d % 32) / 2, column t % 16, element d % 2 */
-                kb[((d / 32) * 2 + t / 16) * TILE_ELEMS + ((d % 32) / 2) * 32 + (t % 16) * 2
-                   + d % 2] = live ? k_row[d] : 0;
-                /* V: tile d / 16, row t / 2, column d % 16, element t % 2 */
-                vb[(d / 16) * TILE_ELEMS + (t / 2) * 32 + (d % 16) * 2 + t % 2] =
-                    live ? v_row[d] : 0;
+            uint32_t *tile_col = kb + (t / 16) * (TILE_ELEMS / 2) + t % 16;
+            if (t0 + t < num_tokens) {
+                const uint16_t *row = key + (t0 + t) * k_stride + (int64_t)kh * head_dim;
+                for (int d2 = 0; d2 < head_dim / 2; d2++) { /* tile d / 32, row (d % 32) / 2 */
+                    uint32_t pair;
+                    memcpy(&pair, row + 2 * d2, sizeof pair);
+                    tile_col[(d2 / 16) * TILE_ELEMS + (d2 % 16) * 16] = pair;
+                }
+            } else {
+                for (int d2 = 0; d2 < head_dim / 2; d2++)
+                    tile_col[(d2 / 16) * TILE_ELEMS + (d2 % 16) * 16] = 0;
             }
+        }
+        for (int t = 0; t < AMX_KEYS; t += 2) {
+            const uint16_t *even = value + (t0 + t) * v_stride + (int64_t)kh * head_dim;
+            const uint16_t *odd = even + v_stride;
+            const int have_even = t0 + t < num_tokens, have_odd = t0 + t + 1 < num_tokens;
+            uint32_t *tile_row = vb + (t / 2) * 16; /* tile d / 16, row t / 2, column d % 16 */
+            for (int d = 0; d < head_dim; d++)
+                tile_row[(d / 16) * (TILE_ELEMS / 2) + d % 16] =
+                    (have_even ? even[d] : 0u) | (uint32_t)(have_odd ? odd[d] : 0u) << 16;
         }
     }
 }

@@ -1,33 +1,37 @@
-"""Prefill attention of whole prompts on the CPU: the C kernel (kernels/cpu/prefill_attention.c)
-against torch SDPA (kernels.reference.causal_prefill_attention), alternately in one process.
+"""Prefill attention of whole prompts on the CPU: the cpu attention backend, which runs the C
+kernel (kernels/cpu/prefill_attention.c), against the torch backend (SDPA,
+kernels.reference.causal_prefill_attention), alternately in one process.
 
     .venv/bin/python -m ops.bench.prefill_attention [--threads 2] [--dtype bfloat16]
+        [--clock wall|thread]
 
 Shapes default to SmolLM2-135M's attention (9 query heads, 3 KV heads, head_dim 64); each
-workload is `batch x length` prompts of one length in one call, as one layer of a prefill step
-sees them, and the times are best of `--repeats`, scaled to `--layers` layers.
+workload is one layer of a prefill step (no cache: whole prompts only): `BATCHxLENGTH` prompts
+of one length, or `BATCHxLO-HI` prompts of random lengths in [LO, HI] (seeded), where the torch
+backend pads or splits. Times are best of `--repeats`, scaled to `--layers` layers.
 """
 import argparse
 import itertools
+import random
 import time
 
 import torch
 
 
-def _best_ms(fn, repeats: int) -> float:
+def _best_ms(fn, repeats: int, clock) -> float:
     fn()
     best = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        best = min(best, time.perf_counter() - start)
+        best = min(best, clock() - start)
     return best * 1e3
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workloads", nargs="+", default=["64x128", "8x1024"],
-                        help="BATCHxLENGTH prompts per call")
+    parser.add_argument("--workloads", nargs="+", default=["64x128", "8x1024", "16x16-512"],
+                        help="BATCHxLENGTH or BATCHxLO-HI prompts per step")
     parser.add_argument("--dtype", nargs="+", default=["bfloat16"],
                         choices=["float32", "bfloat16"])
     parser.add_argument("--heads", type=int, default=9)
@@ -36,32 +40,52 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--clock", choices=["wall", "thread"], default="wall",
+                        help="thread: CPU time of the calling thread, which a busy machine "
+                             "inflates less than wall time (with --threads 1 it is all the "
+                             "work)")
     args = parser.parse_args()
 
     from kernels import cpu
-    from kernels.reference import causal_prefill_attention
+    from services.worker.attention.base import AttentionMetadata
+    from services.worker.attention.cpu_backend import CpuAttentionBackend
+    from services.worker.attention.torch_backend import TorchAttentionBackend
 
     torch.set_num_threads(args.threads)
+    clock = time.perf_counter if args.clock == "wall" else time.thread_time
     print(f"threads {args.threads}, heads {args.heads}/{args.kv_heads}, head_dim "
-          f"{args.head_dim}, paths {cpu.prefill_paths()}; ms per layer (x{args.layers} layers)")
+          f"{args.head_dim}, paths {cpu.prefill_paths()}; {args.clock} ms per layer "
+          f"(x{args.layers} layers)")
     g = torch.Generator().manual_seed(0)
     for dtype_name, workload in itertools.product(args.dtype, args.workloads):
         dtype = getattr(torch, dtype_name)
-        batch, length = (int(x) for x in workload.split("x"))
-        tokens = batch * length
+        batch, span = workload.split("x")
+        lo, _, hi = span.partition("-")
+        rng = random.Random(0)
+        lengths = [rng.randint(int(lo), int(hi or lo)) for _ in range(int(batch))]
+        tokens = sum(lengths)
         q = torch.randn(tokens, args.heads, args.head_dim, generator=g).to(dtype)
         k = torch.randn(tokens, args.kv_heads, args.head_dim, generator=g).to(dtype)
         v = torch.randn(tokens, args.kv_heads, args.head_dim, generator=g).to(dtype)
-        starts = torch.arange(0, tokens + 1, length, dtype=torch.int64)
+        lens = torch.tensor(lengths, dtype=torch.int64)
+        meta = AttentionMetadata(
+            num_prefills=len(lengths), num_prefill_tokens=tokens, num_decode_tokens=0,
+            slot_mapping=torch.zeros(0, dtype=torch.int64),
+            query_start_loc=torch.tensor(list(itertools.accumulate(lengths, initial=0))),
+            seq_lens=lens, context_lens=torch.zeros_like(lens),
+            block_tables=torch.zeros(len(lengths), 0, dtype=torch.int64),
+            max_query_len=max(lengths), max_seq_len=max(lengths), block_size=16,
+            seq_lens_list=lengths, query_lens_list=lengths)
         scale = args.head_dim ** -0.5
-        ops = {"kernel": cpu.causal_prefill_attention, "torch": causal_prefill_attention}
+        ops = {"kernel": CpuAttentionBackend(), "torch": TorchAttentionBackend()}
         times = {name: float("inf") for name in ops}
         for _ in range(2):  # alternate, so that a busy moment does not favour one side
             for name, op in ops.items():
                 times[name] = min(times[name], _best_ms(
-                    lambda op=op: op(q, k, v, starts, length, scale), args.repeats))
+                    lambda op=op: op.forward(q, k, v, None, None, meta, scale), args.repeats,
+                    clock))
         kernel, torch_ms = times["kernel"], times["torch"]
-        print(f"{dtype_name:9s} {workload:>8s}: kernel {kernel:7.1f} ms "
+        print(f"{dtype_name:9s} {workload:>9s}: kernel {kernel:7.1f} ms "
               f"({kernel * args.layers / 1e3:5.2f} s), torch {torch_ms:7.1f} ms "
               f"({torch_ms * args.layers / 1e3:5.2f} s), torch / kernel "
               f"{torch_ms / kernel:4.2f}")
