@@ -25,6 +25,7 @@ from services.gateway.openai_serving import (APIError, ChatServing, CompletionSe
 from services.gateway.schemas import (ChatCompletionRequest, CompletionRequest, ModelCard,
                                       ModelList)
 from services.gateway.stack_health import StackHealth
+from services.gateway.streaming import BODY_SEND_KEY
 from services.gateway.tokenize_endpoints import GatewayTokenizer, add_tokenize_routes
 from shared.logging import get_logger
 
@@ -139,6 +140,9 @@ class RequestContext:
             structlog.contextvars.bind_contextvars(client_request_id=headers["x-request-id"])
         status = {"code": 0}
         start = time.perf_counter()
+        # A stream's body chunks may skip the wrappers below this one (they act on the
+        # response's start only, which still goes through them): see EventStreamResponse.
+        scope[BODY_SEND_KEY] = send
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":

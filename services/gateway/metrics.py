@@ -195,6 +195,16 @@ class GatewayMetrics:
         self.vllm_registry = CollectorRegistry()
         self.vllm_registry.register(VllmAliases(r))
         self.service_up.labels("gateway").set(1)
+        # Label children that each stream step observes, looked up once (on first use, so a
+        # family has no sample before its first observation, as with `labels()`).
+        self._children: dict[tuple, object] = {}
+
+    def _child(self, metric, *labels: str):
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(self.model_name, *labels)
+        return child
 
     # -- per request ----------------------------------------------------------------------------
     def observe_output(self, timer: RequestTimer, out: RequestOutput) -> None:
@@ -213,21 +223,21 @@ class GatewayMetrics:
             timer.num_prompt_tokens = iteration_tokens = out.num_prompt_tokens
         new_tokens = sum(len(c.token_ids) for c in out.outputs)
         if new_tokens:
-            self.generation_tokens.labels(m).inc(new_tokens)
-            self.iteration_tokens.labels(m).observe(iteration_tokens + new_tokens)
+            self._child(self.generation_tokens).inc(new_tokens)
+            self._child(self.iteration_tokens).observe(iteration_tokens + new_tokens)
             if timer.last_token is None:
                 timer.first_token = now
-                self.ttft.labels(m).observe(now - timer.arrival)
+                self._child(self.ttft).observe(now - timer.arrival)
                 self.prefill_time.labels(m).observe(
                     max(0.0, now - timer.arrival - timer.queue_time_s))
             else:
                 # n > 1 advances every sequence by one token a step: time per step and sequence.
                 per_step = max(len(c.token_ids) for c in out.outputs)
-                self.tpot.labels(m).observe((now - timer.last_token) / per_step)
+                self._child(self.tpot).observe((now - timer.last_token) / per_step)
             timer.last_token = now
         for c in out.outputs:
             if c.finish_reason is not None:
-                self.request_success.labels(m, c.finish_reason).inc()
+                self._child(self.request_success, c.finish_reason).inc()
         if out.finished:
             self.e2e.labels(m).observe(now - timer.arrival)
             self._observe_finished(timer, out, now)

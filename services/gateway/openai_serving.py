@@ -23,18 +23,19 @@ from services.gateway.extensions import (ExtensionError, best_of_order, check_be
                                          check_prompt_logprobs,
                                          check_refused, check_stream_options, echo_logprobs,
                                          prompt_options, sampled_logprob_sum, token_names,
-                                         usage_so_far,
                                          vllm_prompt_logprobs, with_extensions)
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.schemas import (ChatCompletionChunk, ChatCompletionChoice,
                                       ChatCompletionRequest, ChatCompletionResponse,
-                                      ChatCompletionStreamChoice, ChatMessage, ChoiceLogprobs,
+                                      ChatMessage, ChoiceLogprobs,
                                       CompletionChoice, CompletionLogprobs, CompletionRequest,
-                                      CompletionResponse, CompletionStreamResponse, DeltaMessage,
+                                      CompletionResponse, CompletionStreamResponse,
                                       FunctionCall, TokenLogprob, ToolCall, TopLogprob, UsageInfo,
                                       now_s)
-from services.gateway.streaming import (ClientDisconnected, EngineStreams, EventStreamResponse,
-                                        sse_event, unless_disconnected)
+from services.gateway.stream_chunks import (CompletionDelta, chat_choice, chunk_head,
+                                            delta_dict, usage_dict)
+from services.gateway.streaming import (NOT_READY, ClientDisconnected, EngineStreams,
+                                        EventStreamResponse, sse_event, unless_disconnected)
 from shared.logging import get_logger
 from shared.sampling_params import SamplingParams, SamplingParamsError
 from shared.structured_output import StructuredOutputsParams, check_supported
@@ -330,23 +331,27 @@ async def stream_events(first, streams: EngineStreams, num_prompts: int,
     """A streamed response's server-sent events, for either endpoint: `opening`, then
     `events_of(prompt_index, output)` for each engine output from `first` on, the usage event
     (when the client asked for one), an error event if the engine request fails midway, and
-    [DONE]."""
+    [DONE]. The events of every output already here go out together, in one write."""
     usage = UsageTally(num_prompts)
+    events = list(opening)
     try:
-        for event in opening:
-            yield event
         item = first
         while item is not None:
             i, out = item
             usage.add(i, out)
-            for event in events_of(i, out):
-                yield event
-            item = await streams.next()
+            events.extend(events_of(i, out))
+            item = streams.next_ready()
+            if item is NOT_READY:
+                if events:
+                    yield "".join(events)
+                    events = []
+                item = await streams.next()
         if usage_event is not None:
-            yield usage_event(usage.info())
+            events.append(usage_event(usage.info()))
     except EngineRequestError as e:
-        yield _stream_error_event(e)
-    yield sse_event("[DONE]")
+        events.append(_stream_error_event(e))
+    events.append(sse_event("[DONE]"))
+    yield "".join(events)
 
 
 def _stream_error_event(e: EngineRequestError) -> str:
@@ -372,7 +377,7 @@ class CompletionServing(OpenAIServing):
         firsts: dict[int, RequestOutput] = {}  # each prompt's first output (its prompt's part)
 
         def choice_delta(i: int, c: CompletionOutput,
-                         state: ChoiceState) -> CompletionChoice | None:
+                         state: ChoiceState) -> CompletionDelta | None:
             text, logprobs, extras = c.text, None, {}
             if not state.started:
                 first = firsts[i]
@@ -401,24 +406,22 @@ class CompletionServing(OpenAIServing):
             if not (text or logprobs is not None or c.finish_reason is not None
                     or any(extras.values())):
                 return None
-            return CompletionChoice(index=i * n + c.index, text=text, logprobs=logprobs,
-                                    finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                                    **extras)
+            return CompletionDelta(i * n + c.index, text, logprobs, c.finish_reason,
+                                   c.stop_reason, extras)
 
         def body(first, streams: EngineStreams) -> AsyncIterator[str]:
             states = [ChoiceState() for _ in range(len(prompts) * n)]
+            head = chunk_head(response_id, "text_completion", created, self.model_name)
 
             def events_of(i: int, out: RequestOutput) -> Iterator[str]:
                 firsts.setdefault(i, out)
                 for c in out.outputs:
                     choice = choice_delta(i, c, states[i * n + c.index])
                     if choice is not None:
-                        chunk = CompletionStreamResponse(
-                            id=response_id, created=created, model=self.model_name,
-                            choices=[choice])
-                        if continuous_usage:
-                            chunk.usage = usage_so_far(out)
-                        yield sse_event(_chunk_dict(chunk, include_usage))
+                        chunk = {**head, "choices": [choice.to_dict()]}
+                        if include_usage:
+                            chunk["usage"] = usage_dict(out) if continuous_usage else None
+                        yield sse_event(chunk)
 
             def usage_event(usage: UsageInfo) -> str:
                 return sse_event(CompletionStreamResponse(
@@ -444,7 +447,7 @@ class CompletionServing(OpenAIServing):
                         if state.completion_logprobs is None:
                             state.completion_logprobs = CompletionLogprobs()
                         _extend_logprobs(state.completion_logprobs, choice.logprobs)
-                    _keep_extras(state, choice)
+                    _keep_extras(state, choice.extras)
                     if c.finish_reason is not None:
                         state.finish_reason, state.stop_reason = c.finish_reason, c.stop_reason
             choices = []
@@ -524,28 +527,30 @@ class ChatServing(OpenAIServing):
                 parts["prompt_logprobs"] = vllm_prompt_logprobs(first, params.prompt_logprobs)
             return parts
 
-        def chunk(choice: ChatCompletionStreamChoice, out: RequestOutput | None = None,
-                  opening: bool = False, **parts) -> str:
-            data = ChatCompletionChunk(id=response_id, created=created, model=self.model_name,
-                                       choices=[choice], **parts)
-            if continuous_usage and out is not None:
+        head = chunk_head(response_id, "chat.completion.chunk", created, self.model_name)
+
+        def chunk(choice: dict, out: RequestOutput | None = None, opening: bool = False,
+                  **parts) -> str:
+            data = {**head, "choices": [choice]}
+            if include_usage:
                 # An opening chunk (the role, an echo) comes before any output token.
-                data.usage = usage_so_far(out, with_output=not opening)
-            return sse_event(_chunk_dict(data, include_usage))
+                data["usage"] = (usage_dict(out, with_output=not opening)
+                                 if continuous_usage and out is not None else None)
+            data.update(parts)  # vLLM's fields come after the declared ones
+            return sse_event(data)
 
         def events_of(_: int, out: RequestOutput) -> Iterator[str]:
             for c in out.outputs:
                 logprobs = logprobs_of(c)
                 cs = choice_streams[c.index]
-                delta = delta_message(cs.feed(c.text, final=c.finish_reason is not None))
+                delta = delta_dict(cs.feed(c.text, final=c.finish_reason is not None))
                 if (delta is None and logprobs is None and c.finish_reason is None
                         and not (req.return_token_ids and c.token_ids)):
                     continue
-                yield chunk(ChatCompletionStreamChoice(
-                    index=c.index, delta=delta or DeltaMessage(),
-                    logprobs=ChoiceLogprobs(content=logprobs) if logprobs else None,
-                    finish_reason=reading.finish_reason(c.finish_reason, cs.made_calls),
-                    stop_reason=c.stop_reason, **token_ids_of(c)), out)
+                yield chunk(chat_choice(
+                    c.index, delta or {}, logprobs,
+                    reading.finish_reason(c.finish_reason, cs.made_calls), c.stop_reason,
+                    **token_ids_of(c)), out)
 
         def usage_event(usage: UsageInfo) -> str:
             return sse_event(ChatCompletionChunk(
@@ -554,14 +559,14 @@ class ChatServing(OpenAIServing):
 
         def body(first, streams: EngineStreams) -> AsyncIterator[str]:
             # Each choice opens with the assistant's role, as OpenAI's streams do.
-            opening = [chunk(ChatCompletionStreamChoice(
-                index=index, delta=DeltaMessage(role="assistant", content="")), first[1],
-                opening=True, **prompt_parts(first[1])) for index in range(req.n)]
+            opening = [chunk(chat_choice(index, {"role": "assistant", "content": ""}),
+                             first[1], opening=True, **prompt_parts(first[1]))
+                       for index in range(req.n)]
             for index, cs in enumerate(choice_streams):
                 echo = cs.opening()
                 if echo is not None:
-                    opening.append(chunk(ChatCompletionStreamChoice(
-                        index=index, delta=delta_message(echo)), first[1], opening=True))
+                    opening.append(chunk(chat_choice(index, delta_dict(echo)), first[1],
+                                         opening=True))
             return stream_events(first, streams, 1, events_of,
                                  usage_event if include_usage else None, opening)
 
@@ -601,17 +606,8 @@ def chat_message(parts: MessageParts) -> ChatMessage:
                            name=c.name, arguments=c.arguments)) for c in parts.tool_calls])
 
 
-def delta_message(parts: MessageParts) -> DeltaMessage | None:
-    """A stream's new message parts as a delta; None when there are none."""
-    if parts.content is None and parts.reasoning_content is None and not parts.tool_calls:
-        return None
-    return DeltaMessage(content=parts.content, reasoning_content=parts.reasoning_content,
-                        tool_calls=[c.to_dict() for c in parts.tool_calls] or None)
-
-
-def _keep_extras(state: ChoiceState, choice) -> None:
+def _keep_extras(state: ChoiceState, extras: dict) -> None:
     """Fold a delta's vLLM fields into its choice: the prompt's parts once, token ids added."""
-    extras = choice.model_extra or {}
     for key, value in extras.items():
         if key == "token_ids":
             state.token_ids += value
@@ -625,13 +621,3 @@ def _extend_logprobs(into: CompletionLogprobs, more: CompletionLogprobs) -> None
     into.token_logprobs += more.token_logprobs
     into.top_logprobs += more.top_logprobs
     into.text_offset += more.text_offset
-
-
-def _chunk_dict(chunk, include_usage: bool) -> dict:
-    """A stream chunk as OpenAI sends it: `usage: null` only when the final usage chunk was
-    asked for, and a chat delta without its unset fields."""
-    data = chunk.model_dump(exclude=None if include_usage else {"usage"})
-    for choice in data["choices"]:
-        if "delta" in choice:
-            choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
-    return data

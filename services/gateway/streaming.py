@@ -29,6 +29,9 @@ class ClientDisconnected(Exception):
     """The HTTP client went away before its response was ready."""
 
 
+NOT_READY = object()  # EngineStreams.next_ready: no output has come yet
+
+
 class EngineStreams:
     """One engine request per prompt, each pumped by its own task into one queue, so the outputs
     of all prompts come out in the order they arrive. `close()` aborts whatever still runs."""
@@ -73,6 +76,19 @@ class EngineStreams:
                 return i, item
         return None
 
+    def next_ready(self) -> tuple[int, RequestOutput] | None | object:
+        """`next()` without waiting: the next output if one is already here; None when every
+        prompt has finished; NOT_READY when the next one has yet to come."""
+        while self.num_open and not self.queue.empty():
+            i, item = self.queue.get_nowait()
+            if item is None:
+                self.num_open -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                return i, item
+        return NOT_READY if self.num_open else None
+
     async def collect(self) -> list[tuple[int, RequestOutput]]:
         outputs = []
         while (item := await self.next()) is not None:
@@ -107,6 +123,11 @@ async def _disconnect(request: Request) -> None:
         pass
 
 
+# The scope key of the `send` a stream's body chunks may go through (set by the gateway's
+# request middleware, outside the framework's own wrappers); without it they take the usual one.
+BODY_SEND_KEY = "pagoda.body_send"
+
+
 def sse_event(data: dict | str) -> str:
     payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False,
                                                             separators=(",", ":"))
@@ -128,12 +149,24 @@ class EventStreamResponse(StreamingResponse):
         self.body = body
         self.on_close = on_close
 
+    async def stream_events(self, send: Send, body_send: Send) -> None:
+        """StreamingResponse's `stream_response`, but the body through `body_send`: the start
+        message goes through every wrapper (the request id header, the status they log and
+        track), and then each chunk costs one call, not one per middleware layer."""
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
+        async for event in self.body:
+            await body_send({"type": "http.response.body", "body": event.encode(),
+                             "more_body": True})
+        await body_send({"type": "http.response.body", "body": b"", "more_body": False})
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body_send = scope.get(BODY_SEND_KEY, send)
         try:
             async with anyio.create_task_group() as group:
                 async def stream() -> None:
                     try:
-                        await self.stream_response(send)
+                        await self.stream_events(send, body_send)
                     except OSError:
                         pass  # the client went away mid-write
                     finally:
