@@ -51,6 +51,7 @@ log = get_logger("client")
 
 _ACCEPTED = object()  # put in a request's queue when the engine acknowledges it
 _RESUBMIT = object()  # put there when a new engine is up: send the request again, resumed
+_TIMED_OUT = object()  # put there by its timer when it has waited past its deadline
 
 
 class EngineRequestError(RuntimeError):
@@ -78,6 +79,47 @@ class _Stream:
     token_ids: dict[int, list[int]] = field(default_factory=dict)  # what the caller has
     done: set[int] = field(default_factory=set)  # sample indices that finished
     failed: bool = False
+    # The wait for the next item: its deadline (loop time; None while not waiting) and the one
+    # timer that checks it. Re-arming a timer per item (asyncio.timeout) cost more than the
+    # rest of an output's path through the client.
+    deadline: float | None = None
+    timer: asyncio.TimerHandle | None = None
+
+    async def next_item(self, timeout_s: float):
+        """The queue's next item, or _TIMED_OUT once it has waited `timeout_s` for one."""
+        # A _TIMED_OUT put as another item came is stale: its wait ended with that item.
+        while not self.queue.empty():
+            item = self.queue.get_nowait()
+            if item is not _TIMED_OUT:
+                return item
+        loop = asyncio.get_running_loop()
+        self.deadline = loop.time() + timeout_s
+        if self.timer is not None and self.timer.when() > self.deadline:
+            self.stop_timer()  # armed for a longer wait
+        if self.timer is None:
+            self.timer = loop.call_at(self.deadline, self._check_deadline)
+        try:
+            while True:
+                item = await self.queue.get()
+                if item is not _TIMED_OUT or loop.time() >= self.deadline:
+                    return item
+        finally:
+            self.deadline = None
+
+    def _check_deadline(self) -> None:
+        self.timer = None
+        if self.deadline is None:
+            return  # not waiting: the next wait arms a timer again
+        loop = asyncio.get_running_loop()
+        if loop.time() >= self.deadline:
+            self.queue.put_nowait(_TIMED_OUT)
+        else:  # an item came in time; this is the next wait's deadline
+            self.timer = loop.call_at(self.deadline, self._check_deadline)
+
+    def stop_timer(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
 
     def resumed(self) -> list[ResumedOutput]:
         return [ResumedOutput(i, list(ids), i in self.done)
@@ -196,12 +238,10 @@ class AsyncEngineClient:
             while True:
                 timeout = self.output_timeout_s if accepted else min(self.ack_timeout_s,
                                                                      self.output_timeout_s)
-                try:
-                    # Not `wait_for`: on Python 3.11 it can swallow a cancellation that comes
-                    # as the item does, and a request whose client left then runs on.
-                    async with asyncio.timeout(timeout):
-                        item = await stream.queue.get()
-                except asyncio.TimeoutError:
+                # Not `wait_for`: on Python 3.11 it can swallow a cancellation that comes as
+                # the item does, and a request whose client left then runs on.
+                item = await stream.next_item(timeout)
+                if item is _TIMED_OUT:
                     if not self.engine_ok and not self.engine_given_up:
                         continue  # the watchdog resubmits it or, in the end, fails it
                     if self.engine_given_up:
@@ -262,6 +302,7 @@ class AsyncEngineClient:
                 if finished:
                     return
         finally:
+            stream.stop_timer()
             self.streams.pop(request_id, None)
             if not finished and not self.closed:
                 with contextlib.suppress(Exception):
