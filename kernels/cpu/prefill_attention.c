@@ -500,10 +500,11 @@ static void amx_item(const uint16_t *query, int64_t q_stride, const uint16_t *kp
             const int64_t end = q0 + r - k0 + 1;
             const int64_t hi = r >= n || end < 0 ? 0 : (end > AMX_KEYS ? AMX_KEYS : end);
             const uint64_t lanes = ((1ull << hi) - 1) & ~((1ull << lo) - 1);
-            s0[r] = _mm512_mask_blend_ps((__mmask16)lanes, neg_inf,
-                                         _mm512_mul_ps(_mm512_load_ps(&s[r][0]), vscale));
+            /* unscaled: the scale is applied inside the exponentials (it is positive, so the
+             * max is the same key either way) */
+            s0[r] = _mm512_mask_blend_ps((__mmask16)lanes, neg_inf, _mm512_load_ps(&s[r][0]));
             s1[r] = _mm512_mask_blend_ps((__mmask16)(lanes >> 16), neg_inf,
-                                         _mm512_mul_ps(_mm512_load_ps(&s[r][16]), vscale));
+                                         _mm512_load_ps(&s[r][16]));
             block_max[r] = _mm512_reduce_max_ps(_mm512_max_ps(s0[r], s1[r]));
         }
         /* The rescaling factors 16 rows at a time; a row that sees nothing here (-inf block
@@ -512,7 +513,8 @@ static void amx_item(const uint16_t *query, int64_t q_stride, const uint16_t *kp
             const __m512 old = _mm512_load_ps(run_max + r0), bm = _mm512_load_ps(block_max + r0);
             const __mmask16 seen = _mm512_cmp_ps_mask(bm, neg_inf, _CMP_NEQ_OQ);
             const __m512 new_max = _mm512_mask_max_ps(old, seen, old, bm);
-            const __m512 c = exp16(_mm512_sub_ps(old, new_max)); /* exp(-inf) = 0 */
+            /* the first block's factor: exp(-inf) = 0 */
+            const __m512 c = exp16(_mm512_mul_ps(_mm512_sub_ps(old, new_max), vscale));
             _mm512_store_ps(corr + r0, _mm512_mask_blend_ps(seen, _mm512_set1_ps(1.0f), c));
             _mm512_store_ps(run_max + r0, new_max);
         }
@@ -521,8 +523,9 @@ static void amx_item(const uint16_t *query, int64_t q_stride, const uint16_t *kp
                 memset(p[r], 0, sizeof p[r]);
                 continue;
             }
-            const __m512 m = _mm512_set1_ps(run_max[r]);
-            const __m512 p0 = exp16(_mm512_sub_ps(s0[r], m)), p1 = exp16(_mm512_sub_ps(s1[r], m));
+            const __m512 m = _mm512_set1_ps(run_max[r] * scale);
+            const __m512 p0 = exp16(_mm512_fmsub_ps(s0[r], vscale, m));
+            const __m512 p1 = exp16(_mm512_fmsub_ps(s1[r], vscale, m));
             run_sum[r] = _mm512_fmadd_ps(run_sum[r], _mm512_set1_ps(corr[r]),
                                          _mm512_add_ps(p0, p1));
             _mm512_store_si512((__m512i *)p[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
