@@ -32,16 +32,19 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     t0 = time.perf_counter()
+    sized = ({"kv_cache_memory_bytes": job["kv_cache_memory_bytes"]}
+             if job.get("kv_cache_memory_bytes") else {})
     llm = LLM(model=job["model"], dtype=job["dtype"], seed=0,
               max_model_len=job["max_model_len"], max_num_seqs=job["max_num_seqs"],
-              gpu_memory_utilization=job["memory_fraction"])
+              gpu_memory_utilization=job["memory_fraction"], **sized)
     startup = time.perf_counter() - t0
     params = SamplingParams(max_tokens=job["output_len"], ignore_eos=True, temperature=0.0)
     llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["warmup"]],
                  SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     reply.write(json.dumps({"startup_s": startup, "version": vllm.__version__,
                             "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
-                            "memory_fraction": job["memory_fraction"]}) + "\n")
+                            "memory_fraction": job["memory_fraction"],
+                            "kv_cache_memory_bytes": job.get("kv_cache_memory_bytes")}) + "\n")
     for line in sys.stdin:
         prompts = [TokensPrompt(prompt_token_ids=p) for p in json.loads(line)["prompts"]]
         start = time.perf_counter()
