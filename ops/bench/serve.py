@@ -64,6 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="the servers' logs and run folders (default: a new /tmp folder)")
     managed.add_argument("--startup-timeout", type=float, default=600.0,
                          help="seconds a server has to answer /v1/models")
+    managed.add_argument("--pagoda-serve-args", default="",
+                         help="more `pagoda serve` flags, in one string (e.g. \"--worker-cpus "
+                              "0-13 --service-cpus 14-15\")")
     from ops.bench.serve_compare import add_engine_arguments
     add_engine_arguments(parser)
 

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import resource
 import statistics
 import tempfile
@@ -243,7 +244,8 @@ def run(args: argparse.Namespace) -> int:
     for r in range(args.rounds):
         for system in round_order(systems, r):
             tag = f"r{r}"
-            server = (PagodaServer(engine_args, run_dir, tag) if system == "pagoda"
+            server = (PagodaServer(engine_args, run_dir, tag, shlex.split(args.pagoda_serve_args))
+                      if system == "pagoda"
                       else VllmServer(args.vllm_python, folder, vllm_settings, run_dir, tag))
             print(f"[round {r}] {system}: starting ({' '.join(server.command[:4])} ...)",
                   flush=True)

@@ -126,11 +126,12 @@ class PagodaServer(ManagedServer):
 
     name = "pagoda"
 
-    def __init__(self, engine_args: dict, run_dir: str, tag: str):
+    def __init__(self, engine_args: dict, run_dir: str, tag: str,
+                 serve_args: list[str] | None = None):
         self.stack_dir = os.path.join(run_dir, f"pagoda-{tag}")
         port = free_port()
         command = [sys.executable, "-m", "pagoda", "serve", "--port", str(port), "--run-dir",
-                   self.stack_dir, "--keep-logs", *engine_flags(engine_args)]
+                   self.stack_dir, "--keep-logs", *(serve_args or []), *engine_flags(engine_args)]
         super().__init__(command, dict(os.environ), os.path.join(run_dir, f"pagoda-{tag}.log"),
                          port)
 
