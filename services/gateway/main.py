@@ -161,6 +161,17 @@ def run(args: argparse.Namespace) -> int:
             ctx.term()
             log.info("gateway stopped")
 
-    asyncio.run(serve())
+    with asyncio.Runner(loop_factory=_event_loop_factory()) as runner:
+        runner.run(serve())
     return 0
+
+
+def _event_loop_factory():
+    """uvloop's event loop where it is installed (about half the loop's own cost per streamed
+    chunk), else asyncio's; uvicorn likewise picks httptools' HTTP parser when it is there."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
