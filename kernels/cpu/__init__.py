@@ -169,9 +169,9 @@ def set_prefill_path(path: str) -> None:
 def causal_prefill_supports(dtype: torch.dtype, device: torch.device, num_heads: int,
                             num_kv_heads: int, head_dim: int) -> bool:
     """Whether `causal_prefill_attention` runs these shapes here (head_dim 64 or 128, query
-    heads a multiple of the KV heads, float32 or bfloat16 on the CPU, kernels built)."""
+    heads a multiple of at least one KV head, float32 or bfloat16 on the CPU, kernels built)."""
     return (device.type == "cpu" and dtype in _SUFFIX and head_dim in (64, 128)
-            and num_heads % num_kv_heads == 0
+            and num_kv_heads >= 1 and num_heads % num_kv_heads == 0
             and _function("causal_prefill", dtype) is not None)
 
 
