@@ -50,17 +50,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def placement_vars(args: argparse.Namespace) -> dict[str, str]:
-    """The placement flags as the compose file's variables (checked here, applied by each
-    process at its start: shared/placement.py)."""
-    from shared.placement import parse_cpu_list
+    """The placement flags as the compose file's variables, checked here (with any of those
+    variables the environment already sets) so that a bad list fails once, not in a restart
+    loop of every process; each process applies its own at start (shared/placement.py)."""
+    import os
+
+    from shared.placement import PlacementError, parse_cpu_list
     out = {}
     for flag, name in (("worker_cpus", "PAGODA_WORKER_CPUS"),
                        ("service_cpus", "PAGODA_SERVICE_CPUS")):
         value = getattr(args, flag)
         if value is not None:
-            parse_cpu_list(value)  # a bad list fails here, not in every process
             out[name] = value
+        value = value if value is not None else os.environ.get(name, "").strip()
+        if value:
+            outside = sorted(set(parse_cpu_list(value)) - os.sched_getaffinity(0))
+            if outside:
+                raise PlacementError(f"{name}={value}: CPUs {outside} are not available here "
+                                     f"(available: {sorted(os.sched_getaffinity(0))})")
     if args.service_nice is not None:
+        if args.service_nice < 0 and os.geteuid() != 0:
+            raise PlacementError(f"--service-nice {args.service_nice}: only root may raise "
+                                 f"a process's priority")
         out["PAGODA_SERVICE_NICE"] = str(args.service_nice)
     return out
 

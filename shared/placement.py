@@ -10,6 +10,8 @@ cores should; the light services given other CPUs then never preempt its threads
 import os
 from dataclasses import dataclass
 
+_placed_cpus: list[int] | None = None  # this process's CPUs, once apply_placement pinned it
+
 
 class PlacementError(ValueError):
     pass
@@ -50,6 +52,20 @@ class Placement:
         return cls(parse_cpu_list(cpus_text) if cpus_text else None, nice)
 
 
+def placed_cpus() -> list[int] | None:
+    """The CPUs apply_placement pinned this process to (None: not placed)."""
+    return _placed_cpus
+
+
+def spread_this_thread() -> None:
+    """Lets the calling thread run on all of the process's CPUs again. A bound OpenMP runtime
+    pins the main thread to the first CPU, and threads started later inherit that mask: the
+    worker's heartbeat and control threads call this, so that they do not all preempt the
+    OpenMP thread every barrier waits for. Nothing happens in a process that was not placed."""
+    if _placed_cpus is not None:
+        os.sched_setaffinity(0, _placed_cpus)  # 0: the calling thread, on Linux
+
+
 def apply_placement(service: str, environ=os.environ) -> Placement:
     """Pins this process to its CPUs and lowers its priority as its environment says; for the
     worker, also sets the OpenMP environment its runtime reads when torch loads it. Raises
@@ -62,11 +78,16 @@ def apply_placement(service: str, environ=os.environ) -> Placement:
             raise PlacementError(f"PAGODA_CPUS={environ['PAGODA_CPUS']}: CPUs {outside} are not "
                                  f"available here (available: {sorted(allowed)})")
         os.sched_setaffinity(0, placement.cpus)
+        global _placed_cpus
+        _placed_cpus = placement.cpus
         if service == "worker":
             environ.setdefault("OMP_NUM_THREADS", str(len(placement.cpus)))
             if "OMP_PLACES" not in environ and "GOMP_CPU_AFFINITY" not in environ:
                 environ["OMP_PLACES"] = ",".join(f"{{{c}}}" for c in placement.cpus)
                 environ.setdefault("OMP_PROC_BIND", "close")
     if placement.nice:
-        os.nice(placement.nice)
+        try:
+            os.nice(placement.nice)
+        except OSError as e:  # a negative value without the privilege to raise priority
+            raise PlacementError(f"PAGODA_NICE={placement.nice}: {e.strerror}") from None
     return placement

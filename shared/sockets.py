@@ -126,6 +126,8 @@ class ControlServer:
         return self
 
     def _serve(self) -> None:
+        from shared.placement import spread_this_thread
+        spread_this_thread()
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         while not self._stop.is_set():

@@ -67,3 +67,45 @@ def test_pagoda_serve_refuses_a_bad_cpu_list_before_starting_anything(tmp_path):
     assert out.returncode == 1
     assert "bad CPU list '3-1'" in out.stdout
     assert not (tmp_path / "logs").exists()
+
+
+def test_pagoda_serve_refuses_cpus_this_machine_does_not_give_it(tmp_path):
+    missing = max(os.sched_getaffinity(0)) + 1
+    out = subprocess.run([sys.executable, "-m", "pagoda", "serve", "--worker-cpus", str(missing),
+                          "--run-dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 1
+    assert f"CPUs [{missing}] are not available" in out.stdout
+
+
+SPREAD = """
+import json, os, threading
+from shared.placement import apply_placement, spread_this_thread
+apply_placement("worker")
+import torch
+torch.ones(256, 256) @ torch.ones(256, 256)
+seen = {}
+def helper(name, spread):
+    if spread:
+        spread_this_thread()
+    seen[name] = sorted(os.sched_getaffinity(0))
+for name, spread in (("inherited", False), ("spread", True)):
+    t = threading.Thread(target=helper, args=(name, spread))
+    t.start()
+    t.join()
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to tell them apart")
+def test_a_helper_thread_of_a_bound_worker_runs_on_all_its_cpus_not_the_first():
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))}
+    out = subprocess.run([sys.executable, "-c", SPREAD], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120,
+                         env={**env, "PYTHONPATH": ROOT, "PAGODA_CPUS": ",".join(map(str, cpus))})
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    # The bound OpenMP runtime pinned the main thread to the first CPU: a new thread inherits
+    # that, and spread_this_thread gives it the whole list back.
+    assert seen == {"inherited": cpus[:1], "spread": cpus}

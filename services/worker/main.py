@@ -12,6 +12,7 @@ from proto.messages import ExecuteModelRequest
 from proto.requests import ErrorResponse
 from shared.config import EngineArgs
 from shared.logging import configure, get_logger
+from shared.placement import placed_cpus, spread_this_thread
 from shared.sockets import ControlServer, connect, make_socket, process_instance_id
 from shared.stack_config import StackConfig
 
@@ -38,6 +39,9 @@ class WorkerService:
         self.rank = rank
         self.instance_id = process_instance_id()
         self.ctx = zmq.Context()
+        for cpu in placed_cpus() or ():
+            # ZeroMQ's I/O thread, which receives every step, spread like the helper threads.
+            self.ctx.set(zmq.THREAD_AFFINITY_CPU_ADD, cpu)
         self.status = "starting"
         self.busy_s = 0.0  # forward passes
         self.idle_s = 0.0  # waiting for the next step while steps are flowing
@@ -104,6 +108,7 @@ class WorkerService:
             pass  # the engine is away and the queue is full: the next try will do
 
     def _send_heartbeats(self) -> None:
+        spread_this_thread()
         sock = make_socket(self.ctx, zmq.DEALER)
         connect(sock, self.stack.worker_addr)
         beat = encode(Register("worker", self.instance_id, self.rank, heartbeat=True))
