@@ -2,6 +2,7 @@
 --service-nice` sets them: each process applied its own at start (shared/placement.py)."""
 import os
 
+from shared.placement import parse_cpu_list
 from tests.api.conftest import PLACEMENT_VARS
 
 
@@ -32,8 +33,14 @@ def test_the_light_services_run_one_nice_step_down_and_the_worker_does_not(api_s
 
 
 def test_the_workers_openmp_threads_are_bound_one_to_each_of_its_cpus(api_stack):
-    cpus = PLACEMENT_VARS["PAGODA_WORKER_CPUS"].split(",")
-    bound = set(_thread_cpus(api_stack.processes["worker"][0].pid))
+    cpus = set(parse_cpu_list(PLACEMENT_VARS["PAGODA_WORKER_CPUS"]))
+    masks = [set(parse_cpu_list(text))
+             for text in _thread_cpus(api_stack.processes["worker"][0].pid)]
     # The model ran at start (the profile run), so every OpenMP thread exists: each is bound
     # to a single CPU of the list, and together they cover it.
-    assert bound == set(cpus)
+    assert set().union(*(m for m in masks if len(m) == 1)) == cpus
+    if len(cpus) > 1:
+        # The other threads (heartbeat, control, ZeroMQ's I/O) may run on any of them, not
+        # only on the first CPU, where the main OpenMP thread is bound.
+        others = [m for m in masks if len(m) > 1]
+        assert others and all(m == cpus for m in others)
