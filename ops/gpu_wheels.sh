@@ -8,7 +8,7 @@
 #     typing-inspection, typing-extensions: pydantic-core needs >= 4.16)
 #   fastapi, starlette, opentelemetry-api the gateway's app
 #   uvicorn                               the gateway's server
-#   openai (+ httpx2, httpcore2,          `pagoda bench serve`'s client
+#   openai (+ httpx2, httpcore2,          `pagoda bench serve --client openai` (its default, httpx, is there)
 #     truststore, jiter, sniffio)
 # Versions are the ones this project's venv runs its tests with. gguf is left out: only GGUF
 # models need it, and the GPU check builds Hugging Face folders.
