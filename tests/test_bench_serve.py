@@ -2,6 +2,7 @@
 seeds, medians, ratios), the CPU time grouped by process role, and one managed run of pagoda
 serve alone on a tiny workload (real processes, the lean httpx client). vLLM is not started
 here."""
+import asyncio
 import json
 import math
 import os
@@ -13,7 +14,8 @@ import pytest
 from ops.bench.processes import (cpu_by_pid, cpu_delta_by_role, pagoda_role, process_tree,
                                  vllm_role)
 from ops.bench.serve import save_plot
-from ops.bench.serve_client import RequestResult, _stats_ms, summarize, summary_from_vllm
+from ops.bench.serve_client import (HttpxClient, OpenaiClient, RequestResult, _stats_ms,
+                                    summarize, summary_from_vllm)
 from ops.bench.serve_compare import (Workload, build_report, parse_workload, plan_passes,
                                      round_order)
 
@@ -42,6 +44,63 @@ def test_summary_counts_failures_and_rates_over_the_run():
 
 def test_infinite_rate_is_reported_as_inf():
     assert summarize(math.inf, [], duration=1.0, input_len=1)["request_rate"] == "inf"
+
+
+def _sse_body(texts: list[str], usage: bool, done: bool) -> bytes:
+    """A streamed completion's body as a server writes it, the end marker(s) optional."""
+    head = {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "m"}
+    chunks = [{**head, "choices": [{"index": 0, "text": t, "logprobs": None,
+                                    "finish_reason": None}]} for t in texts]
+    if usage:
+        chunks.append({**head, "choices": [], "usage": {
+            "prompt_tokens": 4, "completion_tokens": len(texts),
+            "total_tokens": 4 + len(texts)}})
+    events = [f"data: {json.dumps(c)}\n\n" for c in chunks] + (["data: [DONE]\n\n"] * done)
+    return "".join(events).encode()
+
+
+def _send_through(client_cls, body: bytes) -> RequestResult:
+    """One request of the benchmark's client `client_cls`, answered with `body` (a server that
+    wrote it and closed the connection)."""
+    import httpx
+    import openai
+
+    async def go() -> RequestResult:
+        def answer(request):
+            return httpx.Response(200, content=body,
+                                  headers={"content-type": "text/event-stream"})
+        client = client_cls("http://bench.test", "key", 1, 10.0)
+        transport = httpx.MockTransport(answer)
+        if client_cls is HttpxClient:
+            await client.http.aclose()
+            client.http = httpx.AsyncClient(base_url="http://bench.test", transport=transport)
+        else:
+            await client.client.close()
+            client.client = openai.AsyncOpenAI(
+                base_url="http://bench.test/v1", api_key="key", max_retries=0,
+                http_client=httpx.AsyncClient(transport=transport))
+        try:
+            return await client.send("m", [1, 2, 3, 4], 3)
+        finally:
+            await client.close()
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("client_cls", [HttpxClient, OpenaiClient])
+def test_a_stream_cut_off_before_its_end_counts_as_failed(client_cls):
+    texts = ["a", "b", "c"]
+    whole = _send_through(client_cls, _sse_body(texts, usage=True, done=True))
+    assert whole.ok and whole.error == ""
+    assert (whole.output_tokens, len(whole.itl)) == (3, 2)
+    # The server died after some tokens: the body ends without the usage chunk and [DONE].
+    cut = _send_through(client_cls, _sse_body(texts[:2], usage=False, done=False))
+    assert not cut.ok and "cut off" in cut.error
+    s = summarize(1.0, [whole, cut], duration=1.0, input_len=4)
+    assert (s["completed"], s["failed"]) == (1, 1)
+    assert any("cut off" in e for e in s["errors"])
+    if client_cls is HttpxClient:  # it reads [DONE] itself: the usage chunk alone is no end
+        cut = _send_through(client_cls, _sse_body(texts, usage=True, done=False))
+        assert not cut.ok and "cut off" in cut.error
 
 
 def test_plot_of_several_rates_is_a_png(tmp_path):

@@ -17,6 +17,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import AsyncIterable
 from dataclasses import dataclass, field
 
 CLIENTS = ("httpx", "openai", "vllm")
@@ -46,11 +47,39 @@ class RequestResult:
             self.itl.append(now - last)
         return now
 
-    def finish(self, last: float | None) -> None:
+    def finish(self, last: float | None, ended: bool = True) -> None:
+        """The stream is over; `ended`: it reached its end marker (a stream cut off before it,
+        say by a server that died, is a failure however many tokens it had)."""
         self.latency = time.perf_counter() - self.start
+        if not self.error and not ended:
+            self.error = "stream cut off before its end (the server closed it early)"
         self.ok = last is not None and not self.error
         if last is None and not self.error:
             self.error = "no tokens streamed"
+
+
+async def read_sse_completion(lines: AsyncIterable[str], result: RequestResult
+                              ) -> tuple[float | None, bool]:
+    """A streamed completion's lines into `result` (text chunk times, usage, a stream error)
+    -> (the time of the last text chunk or None, whether [DONE] came)."""
+    last = None
+    async for line in lines:
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return last, True
+        now = time.perf_counter()
+        chunk = json.loads(data)
+        if "error" in chunk:
+            result.error = f"stream error: {chunk['error']}"
+            return last, False
+        if chunk.get("usage"):
+            result.output_tokens = chunk["usage"]["completion_tokens"]
+        choices = chunk.get("choices")
+        if choices and choices[0].get("text"):
+            last = result.on_text(now, last)
+    return last, False
 
 
 def make_prompts(tokenizer_path: str | None, num_prompts: int, input_len: int,
@@ -80,7 +109,7 @@ class HttpxClient:
 
     async def send(self, model: str, prompt: list[int], output_len: int) -> RequestResult:
         result = RequestResult(start=time.perf_counter())
-        last = None
+        last, ended = None, False
         body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
                 "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
         try:
@@ -89,25 +118,10 @@ class HttpxClient:
                     text = (await response.aread()).decode(errors="replace")
                     result.error = f"HTTP {response.status_code}: {text[:200]}"
                 else:
-                    async for line in response.aiter_lines():
-                        if not line.startswith("data:"):
-                            continue
-                        data = line[5:].strip()
-                        if data == "[DONE]":
-                            break
-                        now = time.perf_counter()
-                        chunk = json.loads(data)
-                        if "error" in chunk:
-                            result.error = f"stream error: {chunk['error']}"
-                            break
-                        if chunk.get("usage"):
-                            result.output_tokens = chunk["usage"]["completion_tokens"]
-                        choices = chunk.get("choices")
-                        if choices and choices[0].get("text"):
-                            last = result.on_text(now, last)
+                    last, ended = await read_sse_completion(response.aiter_lines(), result)
         except Exception as e:  # one failed request is a data point, not the end of the run
             result.error = f"{type(e).__name__}: {e}"
-        result.finish(last)
+        result.finish(last, ended)
         return result
 
     async def close(self) -> None:
@@ -131,7 +145,7 @@ class OpenaiClient:
 
     async def send(self, model: str, prompt: list[int], output_len: int) -> RequestResult:
         result = RequestResult(start=time.perf_counter())
-        last = None
+        last, ended = None, False
         try:
             stream = await self.client.completions.create(
                 model=model, prompt=prompt, max_tokens=output_len, temperature=0.0, stream=True,
@@ -140,11 +154,14 @@ class OpenaiClient:
                 now = time.perf_counter()
                 if chunk.usage is not None:
                     result.output_tokens = chunk.usage.completion_tokens
+                    # The library ends a stream cut off before [DONE] silently; the usage
+                    # chunk without choices comes last, just before [DONE].
+                    ended = not chunk.choices
                 if chunk.choices and chunk.choices[0].text:
                     last = result.on_text(now, last)
         except Exception as e:  # one failed request is a data point, not the end of the run
             result.error = f"{type(e).__name__}: {e}"
-        result.finish(last)
+        result.finish(last, ended)
         return result
 
     async def close(self) -> None:
