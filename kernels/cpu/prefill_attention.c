@@ -359,10 +359,11 @@ DEFINE_SIMD(simd_bf16, uint16_t, pack_bf16, item_bf16_d4, item_bf16_d8)
 #endif
 
 /* --- bf16 on AMX ------------------------------------------------------------------------------
- * Per item (sequence, query head, 16 query rows) and block of 32 keys: scores S = Q K^T in two
- * 16 x 16 float tiles, softmax on them with AVX-512 (the probabilities rounded to bf16, as the
- * second product takes bf16), then P V into head_dim / 16 float tiles that are added into the
- * rescaled accumulators. K and V are first rearranged into the tiles' pair-interleaved layout:
+ * Per item (sequence, query head, up to AMX_ROWS = 32 query rows) and block of 32 keys: scores
+ * S = Q K^T in two 16 x 16 float tiles per 16 query rows, softmax on them with AVX-512 (the
+ * probabilities rounded to bf16, as the second product takes bf16), then P V into head_dim / 16
+ * float tiles per 16 rows that are added into the rescaled accumulators. K and V are first
+ * rearranged into the tiles' pair-interleaved layout:
  *   K: [kv_head][block][head_dim / 32 steps][2 halves of 16 keys] tiles, row i holding dims
  *      2i, 2i + 1 of each of the 16 keys;
  *   V: [kv_head][block][head_dim / 16 column groups] tiles, row i holding keys 2i, 2i + 1 of
@@ -406,15 +407,31 @@ static void amx_pack(const uint16_t *key, int64_t k_stride, const uint16_t *valu
             }
         }
         for (int t = 0; t < AMX_KEYS; t += 2) {
-            const uint16_t *even = value + (t0 + t) * v_stride + (int64_t)kh * head_dim;
-            const uint16_t *odd = even + v_stride;
+            /* a padding key's row is past the end of `value`: no pointer to it is formed */
             const int have_even = t0 + t < num_tokens, have_odd = t0 + t + 1 < num_tokens;
+            const uint16_t *even =
+                have_even ? value + (t0 + t) * v_stride + (int64_t)kh * head_dim : NULL;
+            const uint16_t *odd = have_odd ? even + v_stride : NULL;
             uint32_t *tile_row = vb + (t / 2) * 16; /* tile d / 16, row t / 2, column d % 16 */
             for (int d = 0; d < head_dim; d++)
                 tile_row[(d / 16) * (TILE_ELEMS / 2) + d % 16] =
                     (have_even ? even[d] : 0u) | (uint32_t)(have_odd ? odd[d] : 0u) << 16;
         }
     }
+}
+
+/* P V of one block for column groups g, g + 1 of the first row tile, the probabilities in tile
+ * 4: tiles 0 and 1 accumulate, 6 and 7 take V (an item of at most 16 rows). */
+static inline __attribute__((always_inline)) void amx_pv1(const uint16_t *vb, int g,
+                                                          float *pv, int dim) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_loadd(6, vb + g * TILE_ELEMS, 64);
+    _tile_loadd(7, vb + (g + 1) * TILE_ELEMS, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_stored(0, pv + g * 16, dim * sizeof(float));
+    _tile_stored(1, pv + (g + 1) * 16, dim * sizeof(float));
 }
 
 /* P V of one block for column groups g, g + 1 of both row tiles, the probabilities in tiles 4
@@ -530,9 +547,14 @@ static void amx_item(const uint16_t *query, int64_t q_stride, const uint16_t *kp
                                          _mm512_add_ps(p0, p1));
             _mm512_store_si512((__m512i *)p[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
         }
+        /* p's rows 16-31 are written only when the item has them (two row tiles) */
         _tile_loadd(4, p[0], AMX_KEYS * sizeof(uint16_t));
-        _tile_loadd(5, p[16], AMX_KEYS * sizeof(uint16_t));
-        for (int g = 0; g < groups; g += 2) amx_pv2(vb, g, pv, dim);
+        if (tiles == 2) {
+            _tile_loadd(5, p[16], AMX_KEYS * sizeof(uint16_t));
+            for (int g = 0; g < groups; g += 2) amx_pv2(vb, g, pv, dim);
+        } else {
+            for (int g = 0; g < groups; g += 2) amx_pv1(vb, g, pv, dim);
+        }
         for (int r = 0; r < n; r++) {
             const __m512 c = _mm512_set1_ps(corr[r]);
             for (int j = 0; j < groups; j++) {
