@@ -20,6 +20,14 @@ def _run(coro):
     return asyncio.run(asyncio.wait_for(coro, 30))
 
 
+async def _bounded(wait, timeout_s: float):
+    """`wait`, failing the test if it runs well past `timeout_s` (a lost timer)."""
+    try:
+        return await asyncio.wait_for(wait, timeout_s + 2.0)
+    except asyncio.TimeoutError:
+        raise AssertionError(f"a {timeout_s} s wait did not time out") from None
+
+
 async def _put_later(queue: asyncio.Queue, delays: list[float]) -> None:
     """Items 0, 1, ... each `delays[k]` seconds after the one before."""
     for k, delay in enumerate(delays):
@@ -45,15 +53,15 @@ def test_a_wait_times_out_after_its_timeout():
 def test_the_timeout_still_fires_after_items_pushed_the_deadline_forward():
     async def go():
         stream, loop = _stream(), asyncio.get_running_loop()
-        timeout, gap, count = 0.5, 0.1, 5
+        timeout, gap, count = 0.6, 0.1, 3
         feeder = asyncio.create_task(_put_later(stream.queue, [gap] * count))
         start = loop.time()
-        # The timer armed by the first wait comes due while a later wait still has time: it
-        # must neither end that wait nor be lost.
         assert [await stream.next_item(timeout) for _ in range(count)] == list(range(count))
         await feeder
         last_item = loop.time()
-        assert await stream.next_item(timeout) is _TIMED_OUT
+        # The timer armed by the first wait comes due while this one still has time: it must
+        # neither end this wait nor be lost (this wait would never end).
+        assert await _bounded(stream.next_item(timeout), timeout) is _TIMED_OUT
         now = loop.time()
         assert now - last_item >= timeout
         assert now - start >= count * gap + timeout
@@ -68,17 +76,18 @@ def test_the_ack_timeout_gives_way_to_the_longer_output_timeout_and_back():
         feeder = asyncio.create_task(_put_later(stream.queue, [0.05]))
         assert await stream.next_item(ack) == 0  # the acknowledgement, within the ack timeout
         await feeder
-        # The short wait's timer is still armed; the longer wait outlives it.
+        # The short wait's timer is still armed; the longer wait outlives it, and times out
+        # after its own time, not the ack's.
         assert stream.timer is not None
+        start = loop.time()
+        assert await _bounded(stream.next_item(output), output) is _TIMED_OUT
+        assert loop.time() - start >= output
+        # An item within the output timeout but past the ack's ends the wait as an item.
         feeder = asyncio.create_task(_put_later(stream.queue, [0.5]))
         start = loop.time()
         assert await stream.next_item(output) == 0
         assert loop.time() - start >= 0.5 - 0.05
         await feeder
-        # Now the output timeout: it fires after its own time, not the ack's.
-        start = loop.time()
-        assert await stream.next_item(output) is _TIMED_OUT
-        assert loop.time() - start >= output
         # And back to a short wait after a long one: its timer is not the long one's.
         feeder = asyncio.create_task(_put_later(stream.queue, [0.05]))
         assert await stream.next_item(5.0) == 0
