@@ -22,7 +22,7 @@ log = get_logger("kernels")
 
 SOURCES = ("paged_attention.c", "paged_attention_avx512.c", "layer_ops.c", "sampling.c",
            "matmul_amx.c", "blocks.c", "kv_cache.c", "prefill_attention.c")
-HEADERS = ("common.h", "paged_attention.h", "avx512.h", "layer_kernels.h")
+HEADERS = ("amx.h", "common.h", "paged_attention.h", "avx512.h", "layer_kernels.h")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
 
 _lock = threading.Lock()

@@ -30,6 +30,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "amx.h"
 #include "avx512.h"
 
 #define PANEL 32          /* output columns per panel: two 16-column B tiles */
@@ -42,11 +43,6 @@
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
 
 int matmul_amx_available(void) {
     /* Linux hands out AMX state per process on request; asked once (a race would only ask
@@ -121,14 +117,7 @@ int matmul_amx_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint16
     }
     #pragma omp parallel
     {
-        tile_config config;
-        memset(&config, 0, sizeof config);
-        config.palette = 1;
-        for (int t = 0; t < 8; t++) {
-            config.rows[t] = 16;
-            config.colsb[t] = 64;
-        }
-        _tile_loadconfig(&config);
+        amx_load_full_tiles();
         float acc[4][16][16];
         for (int64_t chunk = 0; chunk < m; chunk += ROW_CHUNK) {
             const int64_t chunk_end = chunk + ROW_CHUNK < m ? chunk + ROW_CHUNK : m;

@@ -373,13 +373,8 @@ DEFINE_SIMD(simd_bf16, uint16_t, pack_bf16, item_bf16_d4, item_bf16_d8)
 #define AMX_ROWS 32
 #define TILE_ELEMS 512 /* bf16 values in one 16 x 64-byte tile */
 
-int matmul_amx_available(void); /* matmul_amx.c: asks Linux for the tile state once */
+#include "amx.h"
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} amx_tile_config;
 
 static void amx_pack(const uint16_t *key, int64_t k_stride, const uint16_t *value,
                      int64_t v_stride, int64_t num_tokens, int num_kv_heads, int head_dim,
@@ -592,14 +587,7 @@ static int amx_bf16(const uint16_t *query, int64_t q_stride, const uint16_t *key
     const int group = num_heads / num_kv_heads;
     #pragma omp parallel
     {
-        amx_tile_config config;
-        memset(&config, 0, sizeof config);
-        config.palette = 1;
-        for (int t = 0; t < 8; t++) {
-            config.rows[t] = 16;
-            config.colsb[t] = 64;
-        }
-        _tile_loadconfig(&config);
+        amx_load_full_tiles();
         #pragma omp for schedule(dynamic)
         for (int64_t i = 0; i < num_items; i++) {
             const Item it = items[i];
