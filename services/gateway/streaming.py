@@ -67,27 +67,27 @@ class EngineStreams:
         """The next (prompt index, output); None when every prompt has finished. An engine
         error of any prompt is raised here."""
         while self.num_open:
-            i, item = await self.queue.get()
-            if item is None:
-                self.num_open -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                return i, item
+            if (output := self._take(*await self.queue.get())) is not None:
+                return output
         return None
 
     def next_ready(self) -> tuple[int, RequestOutput] | None | object:
         """`next()` without waiting: the next output if one is already here; None when every
         prompt has finished; NOT_READY when the next one has yet to come."""
         while self.num_open and not self.queue.empty():
-            i, item = self.queue.get_nowait()
-            if item is None:
-                self.num_open -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                return i, item
+            if (output := self._take(*self.queue.get_nowait())) is not None:
+                return output
         return NOT_READY if self.num_open else None
+
+    def _take(self, i: int, item) -> tuple[int, RequestOutput] | None:
+        """One queued item: (prompt index, output); None for a prompt's end (counted); an
+        engine error is raised."""
+        if item is None:
+            self.num_open -= 1
+            return None
+        if isinstance(item, Exception):
+            raise item
+        return i, item
 
     async def collect(self) -> list[tuple[int, RequestOutput]]:
         outputs = []
