@@ -3,7 +3,9 @@
 The compose file is the one description of the stack; `pagoda serve` starts the same command
 lines as local processes. Only what the launcher needs is read (`command`, `environment`), with
 compose's variable interpolation (`${VAR}`, `${VAR:-default}`, `${VAR-default}`, `$VAR`, `$$`)
-from the environment and an `.env` file beside the compose file.
+from the environment and an `.env` file beside the compose file. Several files are merged as
+`docker compose -f a.yml -f b.yml` merges them (a later file's command replaces, its environment
+adds to and overrides), and a service's `extends` (same file or another) is followed.
 """
 import os
 import re
@@ -58,14 +60,19 @@ class ServiceSpec:
     environment: dict[str, str] = field(default_factory=dict)
 
 
-def load_services(path: str, env: dict[str, str] | None = None) -> dict[str, ServiceSpec]:
-    """The compose file's `pagoda` services, interpolated; other services (monitoring) are left out."""
-    env = {**read_dotenv(os.path.join(os.path.dirname(os.path.abspath(path)), ".env")),
+def load_services(path: str | list[str],
+                  env: dict[str, str] | None = None) -> dict[str, ServiceSpec]:
+    """The compose file's `pagoda` services, interpolated; other services (monitoring) are left
+    out. `path` may list several files, merged in order (the `.env` is the first one's)."""
+    paths = [path] if isinstance(path, str) else list(path)
+    env = {**read_dotenv(os.path.join(os.path.dirname(os.path.abspath(paths[0])), ".env")),
            **(os.environ if env is None else env)}
-    with open(path) as f:
-        compose = yaml.safe_load(f)
+    merged: dict[str, dict] = {}
+    for p in paths:
+        for name, service in _read_services(p).items():
+            merged[name] = _merge(merged.get(name, {}), _extended(service, p))
     services = {}
-    for name, service in (compose.get("services") or {}).items():
+    for name, service in merged.items():
         command = service.get("command")
         if command is None:
             continue
@@ -76,6 +83,42 @@ def load_services(path: str, env: dict[str, str] | None = None) -> dict[str, Ser
         services[name] = ServiceSpec(name, argv[1], argv[2:],
                                      _environment(service.get("environment"), env))
     return services
+
+
+def _read_services(path: str) -> dict[str, dict]:
+    with open(path) as f:
+        return (yaml.safe_load(f) or {}).get("services") or {}
+
+
+def _extended(service: dict, path: str, depth: int = 0) -> dict:
+    """A service with what its `extends` names merged under it."""
+    ext = service.get("extends")
+    if not ext:
+        return service
+    if depth > 8:
+        raise ValueError(f"{path}: `extends` nested too deep")
+    if isinstance(ext, str):
+        ext = {"service": ext}
+    source = os.path.join(os.path.dirname(os.path.abspath(path)), ext["file"]) if ext.get(
+        "file") else path
+    base = _extended(_read_services(source)[ext["service"]], source, depth + 1)
+    return _merge(base, {k: v for k, v in service.items() if k != "extends"})
+
+
+def _merge(base: dict, override: dict) -> dict:
+    """`override` over `base` for what is read here: the environment merged by key, the rest
+    replaced."""
+    out = {**base, **override}
+    if "environment" in base and "environment" in override:
+        out["environment"] = {**_raw_map(base["environment"]),
+                              **_raw_map(override["environment"])}
+    return out
+
+
+def _raw_map(raw) -> dict:
+    if isinstance(raw, list):
+        return dict(item.split("=", 1) if "=" in item else (item, None) for item in raw)
+    return dict(raw or {})
 
 
 def _environment(raw, env: dict[str, str]) -> dict[str, str]:

@@ -10,6 +10,12 @@ files in one run directory (nothing binds to a network interface but the gateway
 
 `tcp_host` puts the engine's addresses on tcp ports of that host instead (as across hosts);
 `curve_keys_dir` (or PAGODA_CURVE_KEYS_DIR) turns CurveZMQ on for every process and probe.
+
+Data parallelism: `engine_args["data_parallel_size"]` = K starts the compose file's engine and
+worker services K times, one engine and its `tensor_parallel_size` workers per replica
+(`PAGODA_REPLICA`), with each replica's own addresses; the tokenizers, detokenizers and gateway
+serve them all. A compose file that lists its replicas itself (services that set
+PAGODA_REPLICA, as docker-compose.dp2.yml does) gets each of them started once.
 """
 import ctypes
 import os
@@ -27,6 +33,7 @@ from dataclasses import dataclass, field, fields
 from shared.config import EngineArgs
 from shared.curve import CurveKeys
 from shared.logging import get_logger
+from shared.placement import parse_cpu_list, rank_cpus
 from shared.sockets import probe_health
 from shared.stack_config import StackConfig, default_run_dir
 from ops.compose import ServiceSpec, default_compose_file, load_services
@@ -35,7 +42,7 @@ log = get_logger("launcher")
 
 # StackConfig fields that name sockets or hosts of one deployment; the launcher sets its own.
 _LOCAL_FIELDS = ("run_dir", "request_input", "tokenizer_input", "engine_input", "worker_addr",
-                 "detokenizer_addr", "control_addr", "engine_control", "return_host")
+                 "detokenizer_addr", "control_addr", "engine_control", "return_host", "replica")
 _LOCAL_ENV = {"PAGODA_" + name.upper() for name in _LOCAL_FIELDS}
 
 _PR_SET_PDEATHSIG = 1
@@ -69,7 +76,7 @@ class LaunchError(RuntimeError):
 class ServiceProcess:
     """One process of the stack: how to start it, and the running Popen."""
     service: str  # compose service name
-    index: int
+    index: int  # among the service's processes (an engine's: its replica)
     argv: list[str]
     env: dict[str, str]
     log_path: str
@@ -78,6 +85,7 @@ class ServiceProcess:
     restarts: deque = field(default_factory=deque)  # monotonic times of automatic restarts
     healthy: bool = False
     last_answer: float = 0.0  # monotonic time of its last probe answer (or of its start)
+    replica: int = 0  # the engine replica of an engine or worker
 
     @property
     def name(self) -> str:
@@ -111,11 +119,14 @@ def use_tcp_ports(stack: StackConfig, host: str) -> None:
     over tcp too)."""
     names = ("request_input", "tokenizer_input", "engine_input", "worker_addr",
              "detokenizer_addr", "engine_control")
-    probes = [socket.socket() for _ in names]
+    probes = [socket.socket() for _ in range(len(names) * stack.num_replicas)]
     try:
-        for probe, name in zip(probes, names):  # all open at once: six different ports
+        for probe in probes:  # all open at once: different ports
             probe.bind((host, 0))
-            setattr(stack, name, f"tcp://{host}:{probe.getsockname()[1]}")
+        ports = iter(probe.getsockname()[1] for probe in probes)
+        for name in names:
+            stack.set_replica_addresses(name, [f"tcp://{host}:{next(ports)}"
+                                               for _ in range(stack.num_replicas)])
     finally:
         for probe in probes:
             probe.close()
@@ -160,7 +171,8 @@ class LocalStack:
     as the stack, normally the main thread.
     """
 
-    def __init__(self, compose_file: str | None = None, engine_args: dict | None = None,
+    def __init__(self, compose_file: str | list[str] | None = None,
+                 engine_args: dict | None = None,
                  tokenizers: int = 1, detokenizers: int = 1, run_dir: str | None = None,
                  host: str = "127.0.0.1", port: int = 8000, gateway: bool = True,
                  api_key: str | None = None, env: dict[str, str] | None = None,
@@ -180,25 +192,36 @@ class LocalStack:
         `served_model_names`: the gateway's --served-model-name (default: the compose file's
         PAGODA_SERVED_MODEL_NAME, else the model's name).
         `compose_vars`: variables for the compose file's interpolation, over the environment's
-        (`pagoda serve --worker-cpus` sets PAGODA_WORKER_CPUS this way)."""
+        (`pagoda serve --worker-cpus` sets PAGODA_WORKER_CPUS this way).
+        `compose_file` may list several files, merged as compose merges them."""
         if tokenizers < 1 or detokenizers < 1:
             raise ValueError("a stack needs at least one tokenizer and one detokenizer")
-        self.compose_file = compose_file or default_compose_file()
+        files = ([compose_file] if isinstance(compose_file, str)
+                 else list(compose_file or [default_compose_file()]))
+        self.compose_file = " + ".join(files)  # for messages
         self.engine_args = dict(engine_args or {})
-        self.counts = {"tokenizer": tokenizers, "detokenizer": detokenizers,
+        self.compose_vars = dict(compose_vars or {})
+        self.specs = load_services(files, {**os.environ, **self.compose_vars})
+        self.replicas = _replica_count(self.specs, self.engine_args.get("data_parallel_size"))
+        # Per replica: an engine and its workers.
+        self.counts = {"tokenizer": tokenizers, "detokenizer": detokenizers, "engine": 1,
                        "worker": int(self.engine_args.get("tensor_parallel_size") or 1),
                        "gateway": 1 if gateway else 0}
         self.run_dir = os.path.abspath(run_dir or os.environ.get("PAGODA_RUN_DIR")
                                        or default_run_dir())
         self.stack_config = local_stack_config(self.run_dir)
+        self.stack_config.use_replicas(self.replicas)
         if tcp_host:
             use_tcp_ports(self.stack_config, tcp_host)
+        # Each replica's tensor-parallel group meets on a port of its own (rank 0 hosts it).
+        self.dist_init_addrs = ([f"tcp://{tcp_host or '127.0.0.1'}:{port}"
+                                 for port in _free_ports(tcp_host or "127.0.0.1", self.replicas)]
+                                if self.counts["worker"] > 1 else [])
         keys_dir = curve_keys_dir or self.stack_config.curve_keys_dir
         self.stack_config.curve_keys_dir = os.path.abspath(keys_dir) if keys_dir else ""
         self.curve: CurveKeys | None = self.stack_config.curve  # for the launcher's own probes
         self.host, self.port, self.gateway, self.api_key = host, port, gateway, api_key
         self.served_model_names = list(served_model_names or [])
-        self.compose_vars = dict(compose_vars or {})
         self.gateway_url = f"http://{host}:{port}" if gateway else None
         self.extra_env = dict(env or {})
         self.verbose = verbose
@@ -358,7 +381,7 @@ class LocalStack:
     # -- internals -----------------------------------------------------------------------------
     def _plan(self) -> None:
         """Turn each compose service into its processes' command lines and environments."""
-        specs = load_services(self.compose_file, {**os.environ, **self.compose_vars})
+        specs = self.specs
         for needed in ("engine", "worker", "tokenizer", "detokenizer"):
             if not any(s.command == needed for s in specs.values()):
                 raise LaunchError(needed, f"no service runs `pagoda {needed}` in {self.compose_file}")
@@ -369,17 +392,26 @@ class LocalStack:
             if count == 0:
                 continue
             flags = accepted_flags(spec.command)
-            for index in range(count):
-                self.members.append(self._member_for(spec, index, flags))
+            if spec.command not in _PER_REPLICA:
+                replicas = [0]
+            elif "PAGODA_REPLICA" in spec.environment:  # the file lists its replicas
+                replicas = [int(spec.environment["PAGODA_REPLICA"])]
+            else:
+                replicas = list(range(self.replicas))
+            for replica in replicas:
+                for rank in range(count):
+                    index = (replica - replicas[0]) * count + rank
+                    self.members.append(self._member_for(spec, index, flags, replica, rank))
 
-    def _member_for(self, spec: ServiceSpec, index: int, flags: set[str]) -> ServiceProcess:
+    def _member_for(self, spec: ServiceSpec, index: int, flags: set[str], replica: int = 0,
+                    rank: int = 0) -> ServiceProcess:
         args = list(spec.args)
         if "--instance" in flags:
             args += ["--instance", str(index)]
         elif "--rank" in flags:
-            args += ["--rank", str(index)]
+            args += ["--rank", str(rank)]
         else:
-            assert index == 0, f"`pagoda {spec.command}` has no --instance or --rank flag"
+            assert rank == 0, f"`pagoda {spec.command}` has no --instance or --rank flag"
         # Later flags win in argparse: the launch's own values override the compose file's.
         for flag, tokens in engine_arg_flags(self.engine_args):
             if flag in flags or tokens[0] in flags:
@@ -394,11 +426,26 @@ class LocalStack:
         env.update({k: v for k, v in spec.environment.items() if k not in _LOCAL_ENV})
         env.update(self.stack_config.to_env())
         env.update(PYTHONUNBUFFERED="1", **self.extra_env)
+        env["PAGODA_REPLICA"] = str(replica)
+        if spec.command == "worker" and self.replicas > 1 and env.get("PAGODA_CPUS", "").strip():
+            # The workers' CPUs are shared out between the replicas, not given to each whole.
+            env["PAGODA_CPUS"] = replica_cpus(env["PAGODA_CPUS"], replica, self.replicas)
+        if spec.command == "worker" and self.counts["worker"] > 1:
+            env["PAGODA_DIST_INIT_ADDR"] = self.dist_init_addrs[replica]
+            # Each rank its own share of the CPUs: the ranks meet at every layer's sum, so one
+            # whose threads wait for another's to be scheduled holds up the whole group.
+            cpus = (env.get("PAGODA_CPUS", "").strip()
+                    or ",".join(map(str, sorted(os.sched_getaffinity(0)))))
+            env["PAGODA_CPUS"] = ",".join(map(str, rank_cpus(parse_cpu_list(cpus), rank,
+                                                             self.counts["worker"])))
+        instance = rank if spec.command in _PER_REPLICA else index
         return ServiceProcess(
             service=spec.name, index=index,
             argv=[sys.executable, "-m", "pagoda", spec.command, *args], env=env,
             log_path=os.path.join(self.log_dir, f"{spec.name}-{index}.log"),
-            control_addr=self.stack_config.control_for(spec.command, index))
+            control_addr=self.stack_config.for_replica(replica).control_for(spec.command,
+                                                                            instance),
+            replica=replica)
 
     def _member(self, service: str, index: int) -> ServiceProcess:
         for m in self.members:
@@ -463,15 +510,18 @@ class LocalStack:
             pass
 
     def _missing_peers(self) -> list[str]:
-        """What the engine does not see yet, as 'N of M tokenizers' phrases."""
-        health = probe_health(self.stack_config.engine_control, timeout_s=0.5, curve=self.curve)
-        if health is None or health.status != "ok":
-            return ["the engine's health"]
+        """What each engine replica does not see yet, as 'N of M tokenizers' phrases."""
         missing = []
-        for peer in ("tokenizer", "detokenizer", "worker"):
-            seen = int(health.details.get(peer + "s", 0) or 0)
-            if seen < self.counts[peer]:
-                missing.append(f"{seen} of {self.counts[peer]} {peer}s registered")
+        for replica, addr in enumerate(self.stack_config.replica_addresses("engine_control")):
+            which = f"replica {replica}: " if self.replicas > 1 else ""
+            health = probe_health(addr, timeout_s=0.5, curve=self.curve)
+            if health is None or health.status != "ok":
+                missing.append(f"{which}the engine's health")
+                continue
+            for peer in ("tokenizer", "detokenizer", "worker"):
+                seen = int(health.details.get(peer + "s", 0) or 0)
+                if seen < self.counts[peer]:
+                    missing.append(f"{which}{seen} of {self.counts[peer]} {peer}s registered")
         return missing
 
     def _echo_logs(self) -> None:
@@ -492,6 +542,49 @@ class LocalStack:
                     text = line.decode(errors="replace").rsplit("\r", 1)[-1]
                     if text.strip():
                         print(f"[{m.name}] {text}", flush=True)
+
+
+_PER_REPLICA = ("engine", "worker")  # the services each engine replica has its own of
+
+
+def replica_cpus(cpu_list: str, replica: int, replicas: int) -> str:
+    """Replica `replica`'s contiguous share of a CPU list ("0-3", 1 of 2 -> "2,3"); with fewer
+    CPUs than replicas, they take them in turn."""
+    cpus = parse_cpu_list(cpu_list)
+    if len(cpus) < replicas:
+        return str(cpus[replica % len(cpus)])
+    base, extra = divmod(len(cpus), replicas)
+    start = replica * base + min(replica, extra)
+    return ",".join(map(str, cpus[start:start + base + (1 if replica < extra else 0)]))
+
+
+def _replica_count(specs: dict[str, ServiceSpec], data_parallel_size: int | None) -> int:
+    """How many engine replicas: those the compose file lists (services that set
+    PAGODA_REPLICA), else `data_parallel_size`; both given, they must agree."""
+    listed = {int(s.environment["PAGODA_REPLICA"]) for s in specs.values()
+              if s.command == "engine" and "PAGODA_REPLICA" in s.environment}
+    if data_parallel_size is not None and data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size: must be at least 1, got {data_parallel_size}")
+    if not listed:
+        return data_parallel_size or 1
+    if listed != set(range(len(listed))):
+        raise ValueError(f"the compose file's engine replicas are {sorted(listed)}; "
+                         f"they must be 0..{len(listed) - 1}")
+    if data_parallel_size not in (None, len(listed)):
+        raise ValueError(f"data_parallel_size {data_parallel_size}, but the compose file "
+                         f"lists {len(listed)} engine replicas")
+    return len(listed)
+
+
+def _free_ports(host: str, count: int) -> list[int]:
+    probes = [socket.socket() for _ in range(count)]
+    try:
+        for probe in probes:  # all open at once: different ports
+            probe.bind((host, 0))
+        return [probe.getsockname()[1] for probe in probes]
+    finally:
+        for probe in probes:
+            probe.close()
 
 
 def _signal_group(popen: subprocess.Popen, sig: int) -> None:

@@ -8,8 +8,10 @@ from dataclasses import fields
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from shared.config import EngineArgs
-    parser.add_argument("--compose-file", default=None,
-                        help="the stack's description (default: the project's docker-compose.yml)")
+    parser.add_argument("--compose-file", nargs="+", default=None,
+                        help="the stack's description (default: the project's docker-compose.yml);"
+                             " several files are merged as compose merges them (e.g. "
+                             "docker-compose.yml docker-compose.dp2.yml: two engine replicas)")
     parser.add_argument("--tokenizers", type=_positive_int, default=1, help="tokenizer processes")
     parser.add_argument("--detokenizers", type=_positive_int, default=1,
                         help="detokenizer processes")
@@ -102,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
                            curve_keys_dir=args.curve_keys_dir, hang_timeout_s=args.hang_timeout,
                            served_model_names=args.served_model_name,
                            compose_vars=placement_vars(args))
-    except (CurveKeysError, PlacementError) as e:
+    except (CurveKeysError, PlacementError, ValueError) as e:  # ValueError: replica counts
         print(f"pagoda: {e}", flush=True)
         return 1
     stop = threading.Event()
@@ -153,6 +155,9 @@ def _print_banner(stack, elapsed_s: float) -> None:
     from shared.stack_config import StackConfig
     client = ("AsyncEngineClient()" if StackConfig().run_dir == stack.run_dir
               else f"AsyncEngineClient(StackConfig(run_dir={stack.run_dir!r}))")
+    if stack.replicas > 1:
+        lines.append(f"  engines   {stack.replicas} replicas (data parallel), requests go to the "
+                     f"least loaded")
     lines += [f"  run dir   {stack.run_dir}",
               f"  requests  {stack.stack_config.request_input}  ({client})",
               f"  logs      {stack.log_dir}"]

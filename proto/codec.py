@@ -577,7 +577,7 @@ def register_message(cls: type, tag: int, version: int = 1) -> None:
 
 
 # Version 2: cache_salt and resumed.
-register_message(GenerateRequest, 1, version=2)
+register_message(GenerateRequest, 1, version=3)
 register_message(EngineRequest, 2, version=2)
 register_message(AbortRequest, 3)
 register_message(FinishRequest, 4)

@@ -18,7 +18,9 @@ class Register:
 class WorkerCall:
     """engine → worker: one setup call of the executor interface (seed §5.3)."""
     call_id: int
-    method: str  # "determine_num_available_blocks" | "initialize_cache"
+    # "determine_num_available_blocks" | "initialize_cache"; "stop" only inside a
+    # tensor-parallel group (its leader to the other ranks)
+    method: str
     args: list[int] = field(default_factory=list)
 
 

@@ -75,6 +75,9 @@ class GenerateRequest:
     resumed: list[ResumedOutput] = field(default_factory=list)
     chat_options: ChatOptions | None = None  # chat prompts only (None: the defaults)
     prompt_options: PromptOptions | None = None  # None: the defaults
+    # The engine replica the client bound the request to (data parallelism): the tokenizer
+    # pushes the EngineRequest to that replica's engine input.
+    replica: int = 0
 
 
 @dataclass

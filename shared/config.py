@@ -162,6 +162,9 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     preemption_mode: str = "recompute"
     tensor_parallel_size: int = 1
+    data_parallel_size: int = field(default=1, metadata={"help": (
+        "engine replicas, each with its own workers and KV cache, behind the same tokenizers, "
+        "detokenizers and gateways (`pagoda serve`; the offline LLM runs one)")})
     device: str = "auto"  # auto, cpu, cuda, cuda:N
     # auto: the compiled CPU kernels on the CPU where they build, else the torch reference ops.
     attention_backend: str = "auto"
@@ -210,9 +213,10 @@ class EngineArgs:
                               f"must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.preemption_mode == "swap" and self.swap_space <= 0:
             raise ConfigError("swap_space", "preemption_mode 'swap' needs swap_space > 0")
-        if self.tensor_parallel_size != 1:
-            raise ConfigError("tensor_parallel_size",
-                              f"only 1 is supported so far, got {self.tensor_parallel_size}")
+        self._check_tensor_parallel(hf_config, device)
+        if self.data_parallel_size < 1:
+            raise ConfigError("data_parallel_size",
+                              f"must be at least 1, got {self.data_parallel_size}")
         if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
             raise ConfigError("attention_backend", f"must be auto, torch, cpu or triton, got "
                                                    f"{self.attention_backend!r}")
@@ -252,6 +256,18 @@ class EngineArgs:
                                        enforce_eager=self.enforce_eager),
             load_config=LoadConfig(load_format=self.load_format),
         )
+
+    def _check_tensor_parallel(self, hf_config, device: torch.device) -> None:
+        """The model splits over that many ranks (shared/tensor_parallel.py), and on CUDA
+        there is a GPU for each."""
+        from shared.tensor_parallel import shard_for  # it needs ConfigError from here
+        size = self.tensor_parallel_size
+        if size < 1:
+            raise ConfigError("tensor_parallel_size", f"must be at least 1, got {size}")
+        for rank in range(size):
+            shard_for(hf_config, rank, size)
+        if device.type == "cuda":
+            device_for_rank(device, size - 1, torch.cuda.device_count())
 
     def _check_types(self) -> None:
         """Each field holds its annotated type (an int where a float goes is fine, a bool where an

@@ -52,6 +52,16 @@ class Placement:
         return cls(parse_cpu_list(cpus_text) if cpus_text else None, nice)
 
 
+def rank_cpus(cpus: list[int], rank: int, world_size: int) -> list[int]:
+    """Rank `rank`'s share of `cpus` among `world_size` ranks: contiguous, as even as it goes;
+    with fewer CPUs than ranks, ranks share them in turn."""
+    if len(cpus) < world_size:
+        return [cpus[rank % len(cpus)]]
+    base, extra = divmod(len(cpus), world_size)
+    start = rank * base + min(rank, extra)
+    return cpus[start:start + base + (1 if rank < extra else 0)]
+
+
 def placed_cpus() -> list[int] | None:
     """The CPUs apply_placement pinned this process to (None: not placed)."""
     return _placed_cpus

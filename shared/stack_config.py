@@ -3,8 +3,15 @@
 Locally they default to `ipc://` files in one run directory; inside compose they are
 `tcp://service:port` names on the private network. Stateless stages (tokenizers, workers,
 detokenizers, clients) connect; the engine, which everything fans in to, binds.
+
+With data parallelism (several engine replicas) each address the engine binds holds one entry
+per replica, comma-separated ("tcp://engine:5557,tcp://engine-1:5557"); ipc addresses given
+once are derived for the other replicas (`engine-input.sock` -> `engine-input-r1.sock`).
+`replica` says which replica a process belongs to (its engine and workers); its fields then
+hold that replica's entries, and `replica_addresses` gives every replica's.
 """
 import argparse
+import copy
 import os
 import tempfile
 from dataclasses import dataclass, fields
@@ -27,12 +34,18 @@ class StackConfig:
     engine_input: str = ""  # EngineRequest, AbortRequest, FinishRequest fan in here
     worker_addr: str = ""  # workers connect (DEALER) and register
     detokenizer_addr: str = ""  # detokenizers connect (DEALER) and register
+    # tcp://host:port where a tensor-parallel worker group meets (torch.distributed's store,
+    # hosted by rank 0 on that host). Only needed with tensor_parallel_size > 1.
+    dist_init_addr: str = ""
     # This process's control socket (health probes); one per process.
     control_addr: str = ""
     # The engine's control socket, which clients probe for the stack's health.
     engine_control: str = ""
     # Host that a client advertises in its return address (its gateway id).
     return_host: str = "127.0.0.1"
+    # The engine replica of this process (engine, workers): which entry of each per-replica
+    # address it binds or connects to. Tokenizers, detokenizers and clients serve every replica.
+    replica: int = 0
     # Seconds without an answer after which a peer counts as gone.
     liveness_timeout_s: float = 10.0
     # Seconds a step may stay in flight with no output before its worker counts as stuck
@@ -69,6 +82,44 @@ class StackConfig:
         self.worker_addr = self.worker_addr or ipc("workers.sock")
         self.detokenizer_addr = self.detokenizer_addr or ipc("detokenizers.sock")
         self.engine_control = self.engine_control or ipc("engine-0.ctl")
+        self._replica_addrs = {name: _split(getattr(self, name)) for name in REPLICA_FIELDS}
+        self.use_replicas(max(map(len, self._replica_addrs.values())))
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self._replica_addrs["engine_input"])
+
+    def replica_addresses(self, name: str) -> list[str]:
+        """Every replica's entry of a per-replica address (`REPLICA_FIELDS`)."""
+        return list(self._replica_addrs[name])
+
+    def use_replicas(self, count: int) -> None:
+        """Give every per-replica address `count` entries: ipc files given once are derived
+        (suffix -r<k>); any other address must be given once per replica. Then this process's
+        fields take its replica's entries."""
+        if not 0 <= self.replica < count:
+            raise ValueError(f"replica {self.replica}: the stack has {count} replica(s)")
+        for name in REPLICA_FIELDS:
+            addrs = self._replica_addrs[name]
+            if len(addrs) == 1 and count > 1 and addrs[0].startswith("ipc://"):
+                addrs = [addrs[0]] + [_replica_ipc(addrs[0], k) for k in range(1, count)]
+            if len(addrs) != count:
+                raise ValueError(f"{name}: {len(addrs)} address(es) for {count} engine "
+                                 f"replica(s); give one per replica, comma-separated")
+            self._replica_addrs[name] = addrs
+            setattr(self, name, addrs[self.replica])
+
+    def set_replica_addresses(self, name: str, addrs: list[str]) -> None:
+        self._replica_addrs[name] = list(addrs)
+        setattr(self, name, addrs[self.replica])
+
+    def for_replica(self, replica: int) -> "StackConfig":
+        """The same stack as a process of another replica sees it."""
+        other = copy.copy(self)
+        other._replica_addrs = {k: list(v) for k, v in self._replica_addrs.items()}
+        other.replica = replica
+        other.use_replicas(self.num_replicas)
+        return other
 
     def control_for(self, service: str, instance: int | str = 0) -> str:
         """A process's own control address when none was given explicitly."""
@@ -76,7 +127,8 @@ class StackConfig:
             return self.control_addr
         if service == "engine":
             return self.engine_control
-        return f"ipc://{os.path.join(self.run_dir, f'{service}-{instance}.ctl')}"
+        replica = f"-r{self.replica}" if self.replica else ""
+        return f"ipc://{os.path.join(self.run_dir, f'{service}{replica}-{instance}.ctl')}"
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -101,6 +153,12 @@ class StackConfig:
         given = {f.name: getattr(args, f.name) for f in fields(cls)
                  if getattr(args, f.name, None) is not None}
         stack = cls(**given)
+        replicas = getattr(args, "data_parallel_size", None)  # the engine flag, where given
+        if replicas and replicas > 1:
+            try:
+                stack.use_replicas(replicas)
+            except ValueError as e:
+                raise SystemExit(f"pagoda: --data-parallel-size {replicas}: {e}") from None
         try:
             use(stack.curve_keys_dir)
         except CurveKeysError as e:
@@ -108,8 +166,26 @@ class StackConfig:
         return stack
 
     def to_env(self) -> dict[str, str]:
-        return {"PAGODA_" + f.name.upper(): str(getattr(self, f.name)) for f in fields(self)
-                if f.name != "control_addr"}
+        env = {"PAGODA_" + f.name.upper(): str(getattr(self, f.name)) for f in fields(self)
+               if f.name != "control_addr"}
+        for name, addrs in self._replica_addrs.items():
+            if getattr(self, name) == addrs[self.replica]:  # else set since, as one address
+                env["PAGODA_" + name.upper()] = ",".join(addrs)
+        return env
+
+
+# The addresses an engine binds: one per replica.
+REPLICA_FIELDS = ("request_input", "tokenizer_input", "engine_input", "worker_addr",
+                  "detokenizer_addr", "engine_control")
+
+
+def _split(text: str) -> list[str]:
+    return [a.strip() for a in text.split(",") if a.strip()] or [text]
+
+
+def _replica_ipc(addr: str, replica: int) -> str:
+    root, ext = os.path.splitext(addr)
+    return f"{root}-r{replica}{ext}"
 
 
 def _from_text(text: str, default):

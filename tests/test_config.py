@@ -148,7 +148,9 @@ INVALID = [
     ("max_num_batched_tokens", dict(enable_chunked_prefill=False, max_num_batched_tokens=256)),
     ("preemption_mode", dict(preemption_mode="drop")),
     ("tensor_parallel_size", dict(tensor_parallel_size=0)),
-    ("tensor_parallel_size", dict(tensor_parallel_size=2)),
+    ("tensor_parallel_size", dict(tensor_parallel_size=4)),  # 3 KV heads do not share 4 ways
+    ("data_parallel_size", dict(data_parallel_size=0)),
+    ("data_parallel_size", dict(data_parallel_size=True)),
     ("device", dict(device="tpu")),
     ("device", dict(device="not a device")),
     ("device", dict(device="cuda:99")),
@@ -206,7 +208,8 @@ def test_every_field_round_trips_through_its_flag():
                       kv_cache_space_gib=1.5, swap_space=2.5, num_gpu_blocks_override=100,
                       enable_prefix_caching=False, enable_chunked_prefill=False, max_num_seqs=8,
                       max_num_batched_tokens=2048, preemption_mode="swap",
-                      tensor_parallel_size=2, device="cpu", attention_backend="torch",
+                      tensor_parallel_size=2, data_parallel_size=2, device="cpu",
+                      attention_backend="torch",
                       enforce_eager=True, load_format="gguf")
     assert all(getattr(args, f.name) != f.default for f in dataclasses.fields(args))
     parsed = EngineArgs.from_cli_args(parser().parse_args(to_argv(args)))

@@ -1,8 +1,11 @@
 """`pagoda detokenizer`: token deltas in (from the engine), text deltas out (to each client).
 
 Start M of them with the same addresses; the engine sends all of a request's deltas to one.
+With several engine replicas (data parallelism) each detokenizer registers with every one (a
+DEALER per replica) and tells a request's end to the replica that sent its deltas.
 """
 import argparse
+import contextlib
 import signal
 import time
 
@@ -52,11 +55,20 @@ class DetokenizerService:
         self.control = ControlServer(self.ctx, stack.control_for("detokenizer", instance),
                                      "detokenizer", self._health).start()
         self.detokenizer = Detokenizer(get_tokenizer(tokenizer_path))
-        self.engine = make_socket(self.ctx, zmq.DEALER)
-        self.engine.setsockopt_string(zmq.IDENTITY, f"detok-{self.instance_id}")
-        connect(self.engine, stack.detokenizer_addr)
-        self.engine_input = make_socket(self.ctx, zmq.PUSH)
-        connect(self.engine_input, stack.engine_input)
+        # One DEALER per replica: each replica's engine must see this one's heartbeats.
+        self.engines, self.engine_inputs = [], []
+        for addr, input_addr in zip(stack.replica_addresses("detokenizer_addr"),
+                                    stack.replica_addresses("engine_input")):
+            sock = make_socket(self.ctx, zmq.DEALER)
+            sock.setsockopt_string(zmq.IDENTITY, f"detok-{self.instance_id}")
+            connect(sock, addr)
+            self.engines.append(sock)
+            sock = make_socket(self.ctx, zmq.PUSH)
+            connect(sock, input_addr)
+            self.engine_inputs.append(sock)
+        self.poller = zmq.Poller()
+        for sock in self.engines:
+            self.poller.register(sock, zmq.POLLIN)
         self.routes = PushRoutes(self.ctx)
         self._stop = False
         self.status = "ok"
@@ -74,23 +86,28 @@ class DetokenizerService:
         try:
             while not self._stop:
                 if time.monotonic() - last_beat > heartbeat_every:
-                    self.engine.send(encode(Register("detokenizer", self.instance_id)))
+                    beat = encode(Register("detokenizer", self.instance_id))
+                    for sock in self.engines:
+                        # Never blocks: a replica long away must not stop the others' text.
+                        with contextlib.suppress(zmq.Again):
+                            sock.send(beat, zmq.NOBLOCK)
                     last_beat = time.monotonic()
                 if time.monotonic() - last_sweep > 60:
                     last_sweep = time.monotonic()
                     if forgotten := self.detokenizer.forget_idle(_IDLE_REQUEST_S):
                         log.info("forgot idle requests", requests=forgotten)
-                if not self.engine.poll(int(heartbeat_every * 1000)):
-                    continue
-                self._handle(self.engine.recv())
+                ready = dict(self.poller.poll(int(heartbeat_every * 1000)))
+                for replica, sock in enumerate(self.engines):
+                    if sock in ready:
+                        self._handle(sock.recv(), replica)
         finally:
             self.control.close()
-            for sock in (self.engine, self.engine_input):
+            for sock in self.engines + self.engine_inputs:
                 sock.close(0)
             self.routes.close()
             self.ctx.term()
 
-    def _handle(self, frame: bytes) -> None:
+    def _handle(self, frame: bytes, replica: int = 0) -> None:
         try:
             msg = decode(frame, TokenDeltas)
         except CodecError as e:
@@ -120,4 +137,4 @@ class DetokenizerService:
         for gateway, deltas in by_gateway.items():
             self.routes.send(gateway, encode(TextDeltas(deltas)))
         if finished_here:
-            self.engine_input.send(encode(FinishRequest(finished_here, "stop string")))
+            self.engine_inputs[replica].send(encode(FinishRequest(finished_here, "stop string")))

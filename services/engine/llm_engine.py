@@ -76,6 +76,9 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
         config = engine_args.create_engine_config()
+        if config.parallel_config.tensor_parallel_size > 1:
+            from services.engine.executor.multiproc import TensorParallelExecutor
+            return cls(config, TensorParallelExecutor)
         from services.engine.executor.uniproc import UniProcExecutor
         return cls(config, UniProcExecutor)
 

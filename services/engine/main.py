@@ -29,7 +29,11 @@ Faults it survives:
 - a worker's KV cache cannot be set up: tried `_MAX_SETUP_ATTEMPTS` times, then health says
   "failed" with the error until a new worker process registers.
 - this process dies: clients send their requests again, with their output so far, to the
-  engine that replaces it (`LLMEngine.resume_outputs`).
+  engine that replaces it (`LLMEngine.resume_outputs`), or to another replica.
+
+With data parallelism this is one of several replicas (`StackConfig.replica`): it binds that
+replica's entry of each address, its own front door included, so the tokenizers stay reachable
+through the other replicas' front doors while it is away.
 """
 import argparse
 import signal
@@ -38,6 +42,7 @@ import time
 import zlib
 from collections import OrderedDict, deque
 
+import structlog
 import zmq
 
 from proto.codec import CodecError, decode, encode
@@ -73,7 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     configure("engine")
-    EngineService(EngineArgs.from_cli_args(args), StackConfig.from_cli_args(args)).serve()
+    stack = StackConfig.from_cli_args(args)
+    structlog.contextvars.bind_contextvars(replica=stack.replica)  # on every line it logs
+    EngineService(EngineArgs.from_cli_args(args), stack).serve()
     return 0
 
 
@@ -141,7 +148,8 @@ class EngineService:
         threading.Thread(target=proxy, name="front-door", daemon=True).start()
 
     def _health(self) -> tuple[str, dict]:
-        details = {"tokenizers": self._live("tokenizer"), "detokenizers": self._live("detokenizer")}
+        details = {"tokenizers": self._live("tokenizer"), "detokenizers": self._live("detokenizer"),
+                   "replica": self.stack.replica}
         if self.setup_error is not None:
             details["error"] = self.setup_error
         if self.engine is not None:

@@ -292,13 +292,15 @@ def create_app(client, settings: GatewaySettings) -> FastAPI:
     async def get_health() -> JSONResponse:
         status = await health.status()
         details = status.health.details if status.health is not None else {}
-        body = {"status": "ok" if status.ready else "unavailable",
+        body = {"status": ("degraded" if status.degraded else "ok") if status.ready
+                else "unavailable",
                 "engine": status.health.status if status.health is not None else "down",
                 **{key: details.get(key, 0) for key in ("workers", "tokenizers", "detokenizers")}}
         if not status.ready:
             body["missing"] = status.missing
+        if not status.ready or status.degraded:
             body["message"] = status.explain()
-        for key in ("error", "stalled_s"):
+        for key in ("error", "stalled_s", "replicas", "replicas_ok"):
             if key in details:
                 body[key] = details[key]
         return JSONResponse(body, status_code=200 if status.ready else 503)

@@ -19,6 +19,12 @@ Faults it rides out or reports:
   so a sampled request also goes on as it would have. While the
   engine is away new requests wait for it; only once it has been away for `output_timeout_s`
   do the requests in flight end with 503 and new ones get 503 at once.
+
+With several engine replicas (data parallelism) each request is bound to one, the least loaded
+by the replicas' own health reports (`replicas.least_loaded`), and stays there: its frame names
+the replica, and the tokenizers push it to that replica's input. Each replica is probed as
+above; the requests of one that stops answering "ok" move, with their output so far, to a live
+one (as to a restarted engine), and are resent to a restarted one only if none other was live.
 """
 import asyncio
 import contextlib
@@ -45,6 +51,7 @@ from shared.sockets import (bind, bind_random_port, connect, make_socket, probe_
                             unlink_ipc)
 from shared.stack_config import StackConfig
 from services.gateway.heartbeat import GatewayHeartbeat
+from services.gateway.replicas import EngineReplica, combined_health, least_loaded
 from services.engine.outputs import CompletionOutput, RequestOutput
 
 log = get_logger("client")
@@ -68,7 +75,7 @@ class _Stream:
     """One request: what it asked, its outputs as they arrive, and how much of each sequence
     the caller has."""
     queue: asyncio.Queue
-    engine_epoch: int  # the engine process it was sent to (see `AsyncEngineClient._probe`)
+    engine_epoch: int  # the engine process it was sent to: its replica's epoch then
     prompt: str | list[int] | list[ChatMessage]
     params: SamplingParams
     arrival_time: float
@@ -79,6 +86,7 @@ class _Stream:
     token_ids: dict[int, list[int]] = field(default_factory=dict)  # what the caller has
     done: set[int] = field(default_factory=set)  # sample indices that finished
     failed: bool = False
+    replica: int = 0  # the engine replica it is bound to
     # The wait for the next item: its deadline (loop time; None while not waiting) and the one
     # timer that checks it. Re-arming a timer per item (asyncio.timeout) cost more than the
     # rest of an output's path through the client.
@@ -146,12 +154,17 @@ class AsyncEngineClient:
         self.curve = self.stack.curve  # None: CURVE off, or this process's keys (shared.curve)
         self.ctx = zmq.asyncio.Context()
         # IMMEDIATE: while the engine is down nothing queues up to reach it much later.
+        # Every replica's front door reaches the same tokenizers: any live one will do.
         self.requests = make_socket(self.ctx, zmq.PUSH)
         self.requests.setsockopt(zmq.IMMEDIATE, 1)
-        connect(self.requests, self.stack.request_input, self.curve)
-        self.engine = make_socket(self.ctx, zmq.PUSH)
-        self.engine.setsockopt(zmq.IMMEDIATE, 1)
-        connect(self.engine, self.stack.engine_input, self.curve)
+        for addr in self.stack.replica_addresses("request_input"):
+            connect(self.requests, addr, self.curve)
+        self.engines = []  # each replica's input, for aborts
+        for addr in self.stack.replica_addresses("engine_input"):
+            sock = make_socket(self.ctx, zmq.PUSH)
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+            connect(sock, addr, self.curve)
+            self.engines.append(sock)
         self.results = make_socket(self.ctx, zmq.PULL)
         if self.stack.request_input.startswith("tcp://"):
             self.gateway_id = bind_random_port(self.results, self.stack.return_host, self.curve)
@@ -163,14 +176,12 @@ class AsyncEngineClient:
         self._watchdog: asyncio.Task | None = None
         self.closed = False
         self._heartbeat = GatewayHeartbeat(self.stack, self.gateway_id, self.curve)
-        # What the watchdog knows of the engine.
-        self.engine_ok = True  # answering, with status "ok" (until a probe says otherwise)
-        self.engine_boot_id: str | None = None  # which engine process answers
-        self.engine_epoch = 0  # counts engine restarts seen
-        self._resumed_epoch = 0  # the epoch whose requests were last sent again
-        self._last_answer = self._last_ok = time.monotonic()
+        # What the watchdog knows of each engine replica.
+        self.replicas = [EngineReplica(k, addr) for k, addr in
+                         enumerate(self.stack.replica_addresses("engine_control"))]
+        self._turn = 0  # where ties between equally loaded replicas start
         self._probed = False  # the watchdog's first probe is done
-        self._engine_back = asyncio.Event()  # set while the engine is ok
+        self._engine_back = asyncio.Event()  # set while some replica is ok
         self._engine_back.set()
         self.num_resubmits = 0  # requests sent again for want of an acknowledgement
         self.num_resumed = 0  # requests sent again, with their output, to a new engine
@@ -182,9 +193,16 @@ class AsyncEngineClient:
         first request, so that the time the engine has been away is known from the start."""
         self._ensure_tasks()
 
+    @property
+    def engine_ok(self) -> bool:
+        """Some engine replica answers "ok" (until a probe says otherwise)."""
+        return any(r.ok for r in self.replicas)
+
     def engine_away_s(self) -> float:
-        """How long the engine has not been answering "ok" (0 while it does)."""
-        return 0.0 if self.engine_ok else time.monotonic() - self._last_ok
+        """How long no engine replica has been answering "ok" (0 while one does)."""
+        if self.engine_ok:
+            return 0.0
+        return time.monotonic() - max(r.last_ok for r in self.replicas)
 
     @property
     def engine_given_up(self) -> bool:
@@ -218,7 +236,7 @@ class AsyncEngineClient:
                      f"retry later", request_id)
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             prompt = [ChatMessage(m["role"], m["content"]) for m in prompt]
-        stream = _Stream(asyncio.Queue(), self.engine_epoch, prompt, params, time.time(),
+        stream = _Stream(asyncio.Queue(), 0, prompt, params, time.time(),
                          cache_salt, prompt_options)
         self.streams[request_id] = stream
         finished = False
@@ -231,7 +249,9 @@ class AsyncEngineClient:
                 raise EngineRequestError(400, f"the request cannot be encoded: {e}",
                                          request_id) from None
             await self._wait_for_engine(request_id)
-            stream.engine_epoch = self.engine_epoch  # sent to this engine
+            self._bind(request_id, stream)
+            if stream.replica:
+                frame = self._frame(request_id, stream)
             await self._submit(frame, request_id)
             accepted, resends = False, 0
             unreachable_since = None  # when a tokenizer first said it cannot reach the engine
@@ -242,7 +262,7 @@ class AsyncEngineClient:
                 # the item does, and a request whose client left then runs on.
                 item = await stream.next_item(timeout)
                 if item is _TIMED_OUT:
-                    if not self.engine_ok and not self.engine_given_up:
+                    if not self.replicas[stream.replica].ok and not self.engine_given_up:
                         continue  # the watchdog resubmits it or, in the end, fails it
                     if self.engine_given_up:
                         raise EngineRequestError(
@@ -270,7 +290,7 @@ class AsyncEngineClient:
                     self.num_resumed += 1 if num_tokens else 0
                     self.num_resumed_tokens += num_tokens
                     log.info("request sent to the new engine", request_id=request_id,
-                             resumed_tokens=num_tokens)
+                             replica=stream.replica, resumed_tokens=num_tokens)
                     await self._submit(frame, request_id)
                     continue
                 accepted = True
@@ -289,6 +309,8 @@ class AsyncEngineClient:
                             accepted = False
                             await asyncio.sleep(self.probe_interval_s)
                             await self._wait_for_engine(request_id)
+                            if not self.replicas[stream.replica].ok:
+                                self._bind(request_id, stream)  # away: another one
                             frame = self._frame(request_id, stream)
                             await self._submit(frame, request_id)
                             continue
@@ -306,25 +328,32 @@ class AsyncEngineClient:
             self.streams.pop(request_id, None)
             if not finished and not self.closed:
                 with contextlib.suppress(Exception):
-                    await self.abort(request_id, upstream=not accepted)
+                    await self.abort(request_id, upstream=not accepted, replica=stream.replica)
 
     async def abort(self, request_id: str | list[str], reason: str = "client gone",
-                    upstream: bool = True) -> None:
+                    upstream: bool = True, replica: int | None = None) -> None:
         """Tell the engine to drop these requests. The engine remembers an abort that
         overtook its request, and drops the request when it comes. `upstream`: send it to
         the tokenizers' queue too, where one that still holds the request drops it untokenized
-        (pointless once the engine has acknowledged it)."""
+        (pointless once the engine has acknowledged it). `replica`: the engine replica that
+        has them (None: every one)."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         frame = encode(AbortRequest(ids, reason))
         # Best effort: an engine that is down has nothing to abort.
-        await self._send_within(self.engine, frame, 0.5)
+        engines = self.engines if replica is None else [self.engines[replica]]
+        for engine in engines:
+            await self._send_within(engine, frame, 0.5)
         if upstream:
             await self._send_within(self.requests, frame, 0.1)
 
     async def health(self, timeout_s: float = 1.0):
-        """The engine's HealthResponse (with its counts of live peers), or None if it is down."""
-        return await asyncio.to_thread(functools.partial(
-            probe_health, self.stack.engine_control, timeout_s, curve=self.curve))
+        """The engine's HealthResponse (with its counts of live peers), or None if it is down;
+        with several replicas, their answers combined (`replicas.combined_health`)."""
+        return combined_health(await self._probe_replicas(timeout_s))
+
+    async def _probe_replicas(self, timeout_s: float) -> list:
+        return await asyncio.gather(*(asyncio.to_thread(functools.partial(
+            probe_health, r.control_addr, timeout_s, curve=self.curve)) for r in self.replicas))
 
     def close(self) -> None:
         self.closed = True
@@ -332,7 +361,7 @@ class AsyncEngineClient:
         for task in (self._reader, self._watchdog):
             if task is not None:
                 task.cancel()
-        for sock in (self.requests, self.engine, self.results):
+        for sock in (self.requests, self.results, *self.engines):
             sock.close(0)
         self.ctx.term()
         unlink_ipc(self.gateway_id)
@@ -354,7 +383,18 @@ class AsyncEngineClient:
             prompt, chat_options = prompt.messages, prompt.options
         return encode(GenerateRequest(request_id, self.gateway_id, prompt, stream.params,
                                       stream.arrival_time, stream.cache_salt, stream.resumed(),
-                                      chat_options, stream.prompt_options))
+                                      chat_options, stream.prompt_options, stream.replica))
+
+    def _bind(self, request_id: str, stream: _Stream) -> None:
+        """Bind a request to the least loaded live replica (it stays there unless that one
+        goes away); with one replica, to it."""
+        replica = least_loaded(self.replicas, self._turn) or self.replicas[stream.replica]
+        self._turn += 1
+        replica.sent_since_answer += 1
+        stream.replica, stream.engine_epoch = replica.index, replica.epoch
+        if len(self.replicas) > 1:
+            log.info("request bound to a replica", request_id=request_id,
+                      replica=replica.index, load=replica.load + replica.sent_since_answer)
 
     async def _wait_for_engine(self, request_id: str) -> None:
         """Returns once the engine answers ok; 503 once it has been away too long."""
@@ -424,57 +464,87 @@ class AsyncEngineClient:
             await asyncio.sleep(self.probe_interval_s)
 
     async def _probe(self) -> None:
-        """Probe the engine once. When another engine process answers, send every request in
-        flight to it again (once it is ok); when none has answered ok for `output_timeout_s`,
+        """Probe every engine replica once. When another engine process answers for one,
+        send its requests in flight to it again (once it is ok); the requests of a replica
+        that is not ok move to a live one; when none has answered ok for `output_timeout_s`,
         fail them."""
-        health = await self.health(min(1.0, self.engine_timeout_s))
+        answers = await self._probe_replicas(min(1.0, self.engine_timeout_s))
         now = time.monotonic()
         first = not self._probed
         self._probed = True
-        if health is not None:
-            boot_id = health.details.get("boot_id")
-            if self.engine_boot_id is not None and boot_id != self.engine_boot_id:
-                self.engine_epoch += 1
-                log.warning("the engine restarted; requests in flight will be sent to it "
-                            "again", pid=health.details.get("pid"), requests=len(self.streams))
-            self.engine_boot_id = boot_id
-            self._last_answer = now
-            ok = health.status == "ok"
-            if ok != self.engine_ok:
-                log.info("engine available" if ok else "engine not available",
-                         status=health.status)
-            self._set_engine_ok(ok, now)
-            if ok and self._resumed_epoch < self.engine_epoch:
-                self._resumed_epoch = self.engine_epoch
-                self._resubmit_streams(self.engine_epoch)
-        elif first:
-            # Never seen: away from now on (not since this client was made, maybe long ago).
-            log.warning("no engine answers", addr=self.stack.engine_control)
-            self._last_answer = self._last_ok = now
-            self._set_engine_ok(False, now)
-        elif now - self._last_answer > self.engine_timeout_s:
-            if self.engine_ok:
-                log.warning("the engine is not answering; requests wait for it",
-                            silent_s=round(now - self._last_answer, 1),
-                            requests=len(self.streams))
-            self._set_engine_ok(False, now)
+        for replica, health in zip(self.replicas, answers):
+            self._observe(replica, health, now, first)
+        if self.engine_ok:
+            self._engine_back.set()
+        else:
+            self._engine_back.clear()
+        if len(self.replicas) > 1 and self.engine_ok:
+            self._move_streams()
         if self.engine_given_up:
             self._fail_streams(f"the engine has not been available for "
                                f"{self.engine_away_s():.0f} s")
 
-    def _set_engine_ok(self, ok: bool, now: float) -> None:
-        if ok:
-            self._last_ok = now
-            self._engine_back.set()
-        else:
-            self._engine_back.clear()
-        self.engine_ok = ok
+    def _observe(self, replica: EngineReplica, health, now: float, first: bool) -> None:
+        """What one probe of a replica says: restarted, ok or not, its load."""
+        rlog = log.bind(replica=replica.index) if len(self.replicas) > 1 else log
+        if health is not None:
+            boot_id = health.details.get("boot_id")
+            if replica.boot_id is not None and boot_id != replica.boot_id:
+                replica.epoch += 1
+                rlog.warning("the engine restarted; requests in flight will be sent to it "
+                             "again", pid=health.details.get("pid"),
+                             requests=sum(s.replica == replica.index
+                                          for s in self.streams.values()))
+            replica.boot_id = boot_id
+            replica.last_answer = now
+            replica.observe(health)
+            ok = health.status == "ok"
+            if ok != replica.ok:
+                rlog.info("engine available" if ok else "engine not available",
+                          status=health.status)
+            self._set_replica_ok(replica, ok, now)
+            if ok and replica.resumed_epoch < replica.epoch:
+                replica.resumed_epoch = replica.epoch
+                self._resubmit_streams(replica)
+        elif first:
+            # Never seen: away from now on (not since this client was made, maybe long ago).
+            rlog.warning("no engine answers", addr=replica.control_addr)
+            replica.last_answer = replica.last_ok = now
+            self._set_replica_ok(replica, False, now)
+        elif now - replica.last_answer > self.engine_timeout_s:
+            if replica.ok:
+                rlog.warning("the engine is not answering; requests wait for it",
+                             silent_s=round(now - replica.last_answer, 1),
+                             requests=sum(s.replica == replica.index
+                                          for s in self.streams.values()))
+            self._set_replica_ok(replica, False, now)
 
-    def _resubmit_streams(self, epoch: int) -> None:
+    @staticmethod
+    def _set_replica_ok(replica: EngineReplica, ok: bool, now: float) -> None:
+        if ok:
+            replica.last_ok = now
+        replica.ok = ok
+
+    def _resubmit_streams(self, replica: EngineReplica) -> None:
+        """A replica's engine restarted and is ok: its requests go to it again."""
         for stream in self.streams.values():
-            if stream.engine_epoch < epoch and not stream.failed:
-                stream.engine_epoch = epoch
+            if (stream.replica == replica.index and stream.engine_epoch < replica.epoch
+                    and not stream.failed):
+                stream.engine_epoch = replica.epoch
                 stream.queue.put_nowait(_RESUBMIT)
+
+    def _move_streams(self) -> None:
+        """The requests of replicas that are not ok go, with their output so far, to live
+        ones (`LLMEngine.resume_outputs` there), each to the least loaded at its turn."""
+        for request_id, stream in self.streams.items():
+            old = self.replicas[stream.replica]
+            if old.ok or stream.failed:
+                continue
+            self._bind(request_id, stream)
+            log.warning("request moved to another engine replica", request_id=request_id,
+                        replica=stream.replica, from_replica=old.index,
+                        resumed_tokens=sum(map(len, stream.token_ids.values())))
+            stream.queue.put_nowait(_RESUBMIT)
 
     def _fail_streams(self, message: str) -> None:
         for request_id, stream in self.streams.items():

@@ -35,15 +35,20 @@ class GatewayHeartbeat:
 
     def _run(self) -> None:
         ctx = zmq.Context()
-        sock = make_socket(ctx, zmq.PUSH)
-        sock.setsockopt(zmq.IMMEDIATE, 1)  # no beats queued up for an engine that is away
-        connect(sock, self.stack.engine_input, self.curve)
+        socks = []  # one per engine replica: each one must see the beats
+        for addr in self.stack.replica_addresses("engine_input"):
+            sock = make_socket(ctx, zmq.PUSH)
+            sock.setsockopt(zmq.IMMEDIATE, 1)  # no beats queued up for an engine that is away
+            connect(sock, addr, self.curve)
+            socks.append(sock)
         try:
             while True:
-                with contextlib.suppress(zmq.Again):
-                    sock.send(self.frame, zmq.NOBLOCK)
+                for sock in socks:
+                    with contextlib.suppress(zmq.Again):
+                        sock.send(self.frame, zmq.NOBLOCK)
                 if self._stop.wait(self.stack.liveness_timeout_s / 4):
                     return
         finally:
-            sock.close(0)
+            for sock in socks:
+                sock.close(0)
             ctx.term()

@@ -262,7 +262,7 @@ class GatewayMetrics:
     # -- on scrape ------------------------------------------------------------------------------
     def update_from_health(self, health: HealthResponse | None) -> None:
         m = self.model_name
-        engine_ok = health is not None and health.status == "ok"
+        engine_ok = health is not None and health.status in ("ok", "degraded")
         self.service_up.labels("engine").set(1 if engine_ok else 0)
         details = health.details if health is not None else {}
         for service, key in SERVICE_COUNTS.items():

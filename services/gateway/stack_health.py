@@ -15,8 +15,9 @@ class StackStatus:
 
     @property
     def missing(self) -> list[str]:
-        """Services without a live process; empty when the stack can serve."""
-        if self.health is None or self.health.status != "ok":
+        """Services without a live process; empty when the stack can serve (all engine
+        replicas ok, or some: "degraded")."""
+        if self.health is None or self.health.status not in ("ok", "degraded"):
             return ["engine"]
         return [service for service, key in SERVICE_COUNTS.items()
                 if not int(self.health.details.get(key) or 0)]
@@ -38,9 +39,19 @@ class StackStatus:
         return (self.health.status in ("starting", "stalled")
                 or bool(self.health.details.get("recovering")))
 
+    @property
+    def degraded(self) -> bool:
+        """Some engine replicas are not ok; the stack serves from the others."""
+        return self.health is not None and self.health.status == "degraded"
+
     def explain(self) -> str:
         if self.health is None:
             return "the engine is not answering"
+        if self.degraded:
+            details = self.health.details
+            down = [str(k) for k in range(int(details.get("replicas") or 0))
+                    if details.get(f"replica{k}_status") != "ok"]
+            return f"engine replica(s) {', '.join(down)} not ok; serving from the others"
         if self.health.status != "ok":
             return f"the engine is {self.health.status}"
         return "no live " + ", ".join(self.missing) + " process"

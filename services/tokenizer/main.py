@@ -1,7 +1,9 @@
 """`pagoda tokenizer`: a stateless process that turns GenerateRequests into EngineRequests.
 
 Start as many as you like with the same addresses: each connects to the engine's front door
-(PULL, round robin) and pushes to the engine's input.
+(PULL, round robin) and pushes to the engine's input. With several engine replicas (data
+parallelism) it connects to every replica's front door and pushes each request to the input of
+the replica its client chose (`GenerateRequest.replica`).
 """
 import argparse
 import signal
@@ -63,12 +65,16 @@ class TokenizerService:
                                        PromptChecks(mc.max_model_len, mc.vocab_size), mc.hf_config,
                                        chat_template)
         self.input = make_socket(self.ctx, zmq.PULL)
-        connect(self.input, stack.tokenizer_input)
-        self.engine = make_socket(self.ctx, zmq.PUSH)
-        # Nothing is queued for an engine that is not there: a request tokenized meanwhile is
-        # answered 503 at once, not run much later by an engine that nobody waits for.
-        self.engine.setsockopt(zmq.IMMEDIATE, 1)
-        connect(self.engine, stack.engine_input)
+        for addr in stack.replica_addresses("tokenizer_input"):  # any live front door feeds it
+            connect(self.input, addr)
+        self.engines = []  # one PUSH per engine replica
+        for addr in stack.replica_addresses("engine_input"):
+            sock = make_socket(self.ctx, zmq.PUSH)
+            # Nothing is queued for an engine that is not there: a request tokenized meanwhile
+            # is answered 503 at once, not run much later by an engine that nobody waits for.
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+            connect(sock, addr)
+            self.engines.append(sock)
         self.routes = PushRoutes(self.ctx)
         self._stop = False
         self.status = "ok"
@@ -87,7 +93,9 @@ class TokenizerService:
         try:
             while not self._stop:
                 if time.monotonic() - last_beat > heartbeat_every:
-                    self._send_to_engine(encode(Register("tokenizer", self.instance_id)))
+                    beat = encode(Register("tokenizer", self.instance_id))
+                    for replica in range(len(self.engines)):
+                        self._send_to_engine(beat, replica)
                     last_beat = time.monotonic()
                 if not self.backlog and not self.input.poll(int(heartbeat_every * 1000)):
                     continue
@@ -98,7 +106,8 @@ class TokenizerService:
         finally:
             self.control.close()
             self.input.close(0)
-            self.engine.close(0)
+            for sock in self.engines:
+                sock.close(0)
             self.routes.close()
             self.ctx.term()
 
@@ -117,7 +126,14 @@ class TokenizerService:
                 self.rejected += 1
 
     def _handle(self, req: GenerateRequest) -> None:
-        rlog = log.bind(request_id=req.request_id)
+        rlog = log.bind(request_id=req.request_id, replica=req.replica)
+        if not 0 <= req.replica < len(self.engines):
+            self.rejected += 1
+            rlog.info("request rejected: no such engine replica")
+            self.routes.send(req.gateway_id, encode(ErrorResponse(
+                req.request_id, 400, f"replica: {req.replica} is not an engine replica of this "
+                                     f"stack (0..{len(self.engines) - 1})")))
+            return
         try:
             out = self.worker.tokenize(req)
         except RequestRejected as e:
@@ -130,7 +146,7 @@ class TokenizerService:
             rlog.exception("tokenization failed")
             self.routes.send(req.gateway_id, encode(ErrorResponse(req.request_id, 500, str(e))))
             return
-        if not self._send_to_engine(encode(out)):
+        if not self._send_to_engine(encode(out), req.replica):
             self.rejected += 1
             rlog.warning("the engine is not reachable")
             self.routes.send(req.gateway_id, encode(ErrorResponse(
@@ -139,9 +155,9 @@ class TokenizerService:
         self.handled += 1
         rlog.debug("tokenized", prompt_tokens=len(out.prompt_token_ids))
 
-    def _send_to_engine(self, frame: bytes) -> bool:
+    def _send_to_engine(self, frame: bytes, replica: int) -> bool:
         try:
-            self.engine.send(frame, zmq.NOBLOCK)
+            self.engines[replica].send(frame, zmq.NOBLOCK)
             return True
         except zmq.Again:
             return False

@@ -12,14 +12,17 @@ class CacheEngine:
     """Allocates the caches and moves blocks. Moves run in inference mode, so that they work
     whether or not the caches were made inside it."""
 
-    def __init__(self, cache_config: CacheConfig, model_config: ModelConfig, device: torch.device):
+    def __init__(self, cache_config: CacheConfig, model_config: ModelConfig, device: torch.device,
+                 num_kv_heads: int | None = None):
+        """`num_kv_heads`: this tensor-parallel rank's (default: the model's)."""
         assert cache_config.num_device_blocks is not None and cache_config.num_cpu_blocks is not None, \
             "the number of blocks is set after the profile run"
         self.device = torch.device(device)
         self.block_size = cache_config.block_size
         self.num_device_blocks = cache_config.num_device_blocks
         self.num_cpu_blocks = cache_config.num_cpu_blocks
-        block_shape = (self.block_size, model_config.num_kv_heads, model_config.head_dim)
+        num_kv_heads = num_kv_heads or model_config.num_kv_heads
+        block_shape = (self.block_size, num_kv_heads, model_config.head_dim)
         dtype = model_config.dtype
         # K and V of a layer live in one [2, num_blocks, ...] tensor so that a swap or copy is
         # one index op per layer. Device blocks are zero-filled: attention masks padded slots
@@ -69,7 +72,9 @@ class CacheEngine:
             device_kv.index_copy_(1, dst, device_kv.index_select(1, src))
 
     @staticmethod
-    def get_cache_block_size_bytes(cache_config: CacheConfig, model_config: ModelConfig) -> int:
-        """Bytes of one block: K and V, every layer."""
-        elements = cache_config.block_size * model_config.num_kv_heads * model_config.head_dim
+    def get_cache_block_size_bytes(cache_config: CacheConfig, model_config: ModelConfig,
+                                   num_kv_heads: int | None = None) -> int:
+        """Bytes of one block: K and V, every layer (of `num_kv_heads`, default the model's)."""
+        num_kv_heads = num_kv_heads or model_config.num_kv_heads
+        elements = cache_config.block_size * num_kv_heads * model_config.head_dim
         return 2 * model_config.num_layers * elements * model_config.dtype.itemsize

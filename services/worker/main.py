@@ -1,4 +1,11 @@
-"""`pagoda worker`: one device's Worker behind a ZMQ DEALER socket connected to the engine."""
+"""`pagoda worker`: one device's Worker behind a ZMQ DEALER socket connected to the engine.
+
+With tensor_parallel_size > 1 each rank is one such process. Every rank registers and
+heartbeats, so the engine sees the whole group, but steps and setup calls come to rank 0 only,
+which relays them to the others over the group (services/worker/distributed.py). When the
+group breaks (a rank died) the process exits with code 3, and the restarted processes form it
+again; the engine meanwhile recovers as from any worker's death.
+"""
 import argparse
 import signal
 import threading
@@ -15,8 +22,11 @@ from shared.logging import configure, get_logger
 from shared.placement import placed_cpus, spread_this_thread
 from shared.sockets import ControlServer, connect, make_socket, process_instance_id
 from shared.stack_config import StackConfig
+from services.worker.distributed import GroupBroken
 
 log = get_logger("worker")
+
+GROUP_BROKEN_EXIT_CODE = 3
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,8 +37,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     configure("worker")
-    service = WorkerService(EngineArgs.from_cli_args(args), StackConfig.from_cli_args(args), args.rank)
-    service.serve()
+    try:
+        service = WorkerService(EngineArgs.from_cli_args(args), StackConfig.from_cli_args(args),
+                                args.rank)
+        service.serve()
+    except GroupBroken as e:
+        log.error("tensor-parallel group broken; exiting so that it forms again", rank=args.rank,
+                  error=str(e))
+        return GROUP_BROKEN_EXIT_CODE
     return 0
 
 
@@ -50,7 +66,9 @@ class WorkerService:
         self.control = ControlServer(self.ctx, stack.control_for("worker", rank), "worker",
                                      self._health).start()
         config = engine_args.create_engine_config()
-        self.worker = Worker(config, rank)
+        # A collective may wait for a rank as long as the engine waits for a step, and longer.
+        self.worker = Worker(config, rank, stack.dist_init_addr,
+                             group_timeout_s=2 * stack.step_timeout_s + stack.liveness_timeout_s)
         self.worker.init_device()
         self.worker.load_model()
         self.sock = make_socket(self.ctx, zmq.DEALER)
@@ -82,11 +100,17 @@ class WorkerService:
         # restarted (or dropped this worker) learns of it without this process restarting.
         reregister_ms = int(self.stack.liveness_timeout_s / 4 * 1000)
         log.info("worker ready", rank=self.rank, engine=self.stack.worker_addr)
+        group = self.worker.group
         try:
+            if group is not None and not group.is_leader:
+                self._serve_follower()
+                return
             while not self._stop:
                 if not self.sock.poll(reregister_ms):
                     last_done = None  # no steps flowing: not idle time between passes
                     self._register()
+                    if group is not None:
+                        group.ping()  # notices a rank that died while nothing ran
                     continue
                 frame = self.sock.recv()
                 start = time.perf_counter()
@@ -99,7 +123,25 @@ class WorkerService:
                 self.busy_s += done - start
                 last_done = done
         finally:
+            if group is not None and group.is_leader and self._stop:
+                try:
+                    self.worker.stop_followers()
+                except GroupBroken:
+                    pass  # they are gone already
             self.close()
+
+    def _serve_follower(self) -> None:
+        """A rank other than 0: the leader relays every step; its own socket only registers."""
+        threading.Thread(target=self._keep_registered, name="worker-register",
+                         daemon=True).start()
+        self.worker.serve_follower()
+
+    def _keep_registered(self) -> None:
+        # The engine never answers a follower; repeating the registration keeps it listed
+        # after an engine restart.
+        while not self._stop:
+            self._register()
+            time.sleep(self.stack.liveness_timeout_s / 4)
 
     def _register(self) -> None:
         try:
@@ -129,20 +171,17 @@ class WorkerService:
             self.steps += 1
             self.step_started = time.monotonic()
             try:
+                self.worker.relay(msg, frame)
                 return encode(self.worker.execute_model(msg))
             finally:
                 self.step_started = None
         try:
-            if msg.method == "determine_num_available_blocks":
-                result = list(self.worker.determine_num_available_blocks())
-            elif msg.method == "initialize_cache":
-                # Both calls free the cache of an engine before this one (or one that lost
-                # track of this worker), and the sequences it held there.
-                self.worker.initialize_cache(*msg.args)
-                result = []
-            else:
+            if msg.method not in ("determine_num_available_blocks", "initialize_cache"):
                 raise ValueError(f"unknown call {msg.method!r}")
-            return encode(WorkerReply(msg.call_id, result))
+            self.worker.relay(msg, frame)
+            return encode(WorkerReply(msg.call_id, self.worker.call(msg.method, msg.args)))
+        except GroupBroken:
+            raise
         except Exception as e:
             log.exception("worker call failed", method=msg.method)
             return encode(WorkerReply(msg.call_id, [], f"{type(e).__name__}: {e}"))

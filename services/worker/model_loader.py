@@ -14,13 +14,17 @@ from shared.config import LoadConfig, ModelConfig, load_hf_config
 from shared.model_source import ModelSource
 from services.worker.attention.base import AttentionBackend
 from services.worker.models.llama import LlamaForCausalLM
+from services.worker.models.tensor_parallel import TensorParallelShard
 
 
 def load_model(model_config: ModelConfig, load_config: LoadConfig, device: torch.device,
-               attn_backend: AttentionBackend) -> LlamaForCausalLM:
+               attn_backend: AttentionBackend, shard: TensorParallelShard | None = None,
+               group=None) -> LlamaForCausalLM:
+    """The model (or a tensor-parallel rank's `shard` of it, with its `group`) on `device`."""
     # Parameters are created directly on the device, uninitialised: loading overwrites them.
     with torch.device(device):
-        model = LlamaForCausalLM(model_config.hf_config, attn_backend, model_config.dtype)
+        model = LlamaForCausalLM(model_config.hf_config, attn_backend, model_config.dtype,
+                                 shard, group)
     model.load_weights(iter_weights(model_config.source, load_config.load_format,
                                     model_config.hf_config))
     model.pack_weights()

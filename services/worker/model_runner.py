@@ -2,6 +2,8 @@
 
 It keeps each sequence's tokens and block table between steps (`SequenceState`), so the engine
 sends only what changed (proto.SequenceData) and the runner appends the tokens it samples itself.
+On a tensor-parallel group every rank runs the same steps on its part of the model; the leader
+alone gets the logits, samples, and broadcasts the sampled tokens, which every rank keeps.
 """
 import time
 from concurrent.futures import Future
@@ -20,6 +22,7 @@ from services.worker.grammar import SequenceMatcher, feed, new_matcher
 from services.worker.logit_edits import (allows_other_than, apply_allowed_token_ids,
                                           apply_logit_bias)
 from services.worker.model_loader import load_model
+from services.worker.models.tensor_parallel import TensorParallelShard, shard_for
 from services.worker.sampler import Sampler, compute_prompt_logprobs
 from services.worker.sampling_metadata import SamplingRow, SamplingTensors
 from services.worker.staging import StagingBuffer
@@ -63,15 +66,18 @@ class _Row:
 
 
 class ModelRunner:
-    def __init__(self, config: PagodaConfig):
+    def __init__(self, config: PagodaConfig, shard: TensorParallelShard | None = None):
         self.config = config
         self.model_config = config.model_config
         self.device = config.device_config.device
         self.block_size = config.cache_config.block_size
         mc = self.model_config
+        self.shard = shard or shard_for(mc.hf_config)
+        # The tensor-parallel group, set by the worker once it has joined it (None: one rank).
+        self.group = None
         self.attn_backend = get_attn_backend(
             config.device_config.attention_backend, dtype=mc.dtype, device=self.device,
-            num_heads=mc.hf_config.num_attention_heads, num_kv_heads=mc.num_kv_heads,
+            num_heads=self.shard.num_heads, num_kv_heads=self.shard.num_kv_heads,
             head_dim=mc.head_dim, block_size=self.block_size)
         self.model = None
         # On a GPU the step's integer inputs cross in one pinned, non-blocking copy.
@@ -91,7 +97,12 @@ class ModelRunner:
 
     def load_model(self) -> None:
         self.model = load_model(self.model_config, self.config.load_config, self.device,
-                                self.attn_backend)
+                                self.attn_backend, self.shard, self.group)
+
+    @property
+    def samples(self) -> bool:
+        """Whether this rank samples: the only one, or a tensor-parallel group's leader."""
+        return self.group is None or self.group.is_leader
 
     # -- state updates -------------------------------------------------------------------------
     def apply_deltas(self, request: ExecuteModelRequest) -> None:
@@ -100,7 +111,8 @@ class ModelRunner:
             if group.sampling_params is not None:
                 req = RequestState(group.request_id, group.sampling_params, group.seed,
                                    group.prompt_len, group.eos_token_ids)
-                self._prepare_logit_edits(req)
+                if self.samples:
+                    self._prepare_logit_edits(req)
                 self.requests[group.request_id] = req
             assert req is not None, f"request {group.request_id} was never sent with its parameters"
             for sd in group.seq_data:
@@ -233,7 +245,8 @@ class ModelRunner:
         return t["input_ids"], t["positions"], meta
 
     def _sample(self, rows: list[_Row], hidden: torch.Tensor, out: SamplerOutput) -> None:
-        logits = self.model.compute_logits(hidden)  # [num_rows, vocab], the model's dtype
+        # [num_rows, vocab], the model's dtype; None on a tensor-parallel follower.
+        logits = self.model.compute_logits(hidden)
         sampling_rows, owners, logit_index = [], [], []
         edited = []  # sampling rows whose request edits its logits (usually none)
         for i, row in enumerate(rows):
@@ -253,6 +266,9 @@ class ModelRunner:
                     output_token_ids=row.state.token_ids[req.prompt_len:] if penalties else []))
                 owners.append(row)
                 logit_index.append(i)
+        if logits is None:  # the leader samples; every rank keeps what it sampled
+            self._keep_samples(owners, self.group.broadcast_ints(None, len(owners)))
+            return
         if len(logit_index) != len(rows):
             logits = logits[logit_index]
         constrained = self._edit_logits(logits, edited, owners) if edited else None
@@ -260,16 +276,11 @@ class ModelRunner:
         tensors = SamplingTensors.from_rows(sampling_rows, logits.shape[-1], logits.device)
         result = self.sampler(logits, tensors)
         token_ids, logprobs, top_ids, top_lps = _to_host(result)
-        seen = set()
+        if self.group is not None:
+            self.group.broadcast_ints(token_ids, len(owners))
+        self._keep_samples(owners, token_ids)
         for i, row in enumerate(owners):
             seq_id = row.seq.seq_id
-            # Keep the sampled token so the next step needs no round trip through the engine;
-            # the extra fan-out samples wait for the children the engine forks.
-            if seq_id not in seen:
-                row.state.token_ids.append(token_ids[i])
-                seen.add(seq_id)
-            else:
-                self.fan_out.setdefault(seq_id, [row.state.token_ids[-1]]).append(token_ids[i])
             out.seq_ids.append(seq_id)
             out.token_ids.append(token_ids[i])
             out.logprobs.append(logprobs[i])
@@ -283,6 +294,18 @@ class ModelRunner:
         if constrained:
             self.grammar_masker.advance([owners[i].state.matcher for i in constrained],
                                         [token_ids[i] for i in constrained])
+
+    def _keep_samples(self, owners: list[_Row], token_ids: list[int]) -> None:
+        """Keep the sampled tokens so the next step needs no round trip through the engine;
+        the extra fan-out samples wait for the children the engine forks."""
+        seen = set()
+        for row, token_id in zip(owners, token_ids):
+            seq_id = row.seq.seq_id
+            if seq_id not in seen:
+                row.state.token_ids.append(token_id)
+                seen.add(seq_id)
+            else:
+                self.fan_out.setdefault(seq_id, [row.state.token_ids[-1]]).append(token_id)
 
     def _prepare_logit_edits(self, req: RequestState) -> None:
         """Note what the request does to its logits; start compiling its grammar, if any."""
@@ -356,6 +379,8 @@ class ModelRunner:
         if n <= 0:
             return
         logits = self.model.compute_logits(hidden[:n])
+        if logits is None:  # a tensor-parallel follower: the leader reports them
+            return
         targets = torch.tensor(row.state.token_ids[row.start + 1:end + 1], device=logits.device)
         lps, top_ids, top_lps = compute_prompt_logprobs(
             logits, targets, row.state.request.params.prompt_logprobs)
@@ -383,6 +408,8 @@ class ModelRunner:
             seq_lens_list=[num_tokens], query_lens_list=[num_tokens])
         hidden = self.model(input_ids, positions, None, meta)
         logits = self.model.compute_logits(hidden[-num_sampled_rows:])
+        if logits is None:  # a tensor-parallel follower: the leader samples
+            return
         # What the sampler's general path allocates beside the logits: a float copy, its
         # normaliser and the top candidates it sorts instead of the whole vocabulary.
         floats = logits.float()

@@ -1,4 +1,10 @@
-"""Worker: one device's model, KV cache and runner (the seed's Worker)."""
+"""Worker: one device's model, KV cache and runner (the seed's Worker).
+
+With tensor_parallel_size > 1 it is one rank of a group (services/worker/distributed.py): the
+leader (rank 0) relays every message from the engine to the others before handling it, and
+each rank then does the same work on its own part of the model (`serve_follower` is the other
+ranks' loop).
+"""
 import gc
 import os
 import time
@@ -6,13 +12,17 @@ import time
 import structlog
 import torch
 
+from proto.codec import decode, encode
+from proto.control import WorkerCall
 from proto.messages import ExecuteModelRequest, SamplerOutput
 from shared.config import PagodaConfig, device_for_rank
 from services.worker.cache_engine import CacheEngine
 from services.worker.cuda_graphs import DecodeGraphs, capture_sizes, graphs_apply
+from services.worker.distributed import TensorParallelGroup
 from services.worker.host_memory import keep_freed_memory
 from services.worker.memory_budget import ProfileMemory, num_kv_blocks
 from services.worker.model_runner import ModelRunner
+from services.worker.models.tensor_parallel import shard_for
 
 log = structlog.get_logger("worker")
 
@@ -33,9 +43,16 @@ def step_memory_error(step_id: int, allocated_at_start: int, step_peak: int,
 
 
 class Worker:
-    def __init__(self, config: PagodaConfig, rank: int = 0):
+    def __init__(self, config: PagodaConfig, rank: int = 0, dist_init_addr: str = "",
+                 group_timeout_s: float = 300.0):
+        """`dist_init_addr` (tcp://host:port): where a tensor-parallel group meets, rank 0
+        hosting the store; `group_timeout_s`: how long a collective may wait for a rank."""
         self.config = config
         self.rank = rank
+        self.world_size = config.parallel_config.tensor_parallel_size
+        self.dist_init_addr = dist_init_addr
+        self.group_timeout_s = group_timeout_s
+        self.group: TensorParallelGroup | None = None
         device = config.device_config.device
         if device.type == "cuda":
             # One GPU per rank; the runner and every tensor read the device from the config.
@@ -43,7 +60,8 @@ class Worker:
             config.device_config.device = device
         self.device = device
         self.free_at_start: int | None = None  # device bytes free before the model loaded
-        self.model_runner = ModelRunner(config)
+        self.shard = shard_for(config.model_config.hf_config, rank, self.world_size)
+        self.model_runner = ModelRunner(config, self.shard)
         self.cache_engine: CacheEngine | None = None
         # PAGODA_DEBUG_MEMORY=1 (CUDA): every step's peak checked against the profile's.
         self.debug_memory = os.environ.get("PAGODA_DEBUG_MEMORY") == "1"
@@ -57,6 +75,16 @@ class Worker:
             self.free_at_start, _ = torch.cuda.mem_get_info(self.device)
         elif self.device.type == "cpu":
             keep_freed_memory()  # activations reuse their pages step after step
+        if self.world_size > 1:
+            if not self.dist_init_addr:
+                raise ValueError("tensor_parallel_size > 1 needs dist_init_addr (tcp://host:port "
+                                 "of rank 0, PAGODA_DIST_INIT_ADDR)")
+            log.info("joining the tensor-parallel group", rank=self.rank,
+                     world_size=self.world_size, addr=self.dist_init_addr)
+            self.group = TensorParallelGroup.create(self.rank, self.world_size,
+                                                    self.dist_init_addr, self.device,
+                                                    self.group_timeout_s)
+            self.model_runner.group = self.group
 
     def load_model(self) -> None:
         self.model_runner.load_model()
@@ -68,14 +96,16 @@ class Worker:
         count against the budget, and sit beside the new cache while that is allocated."""
         self.free_cache()
         cache = self.config.cache_config
-        block_bytes = CacheEngine.get_cache_block_size_bytes(cache, self.config.model_config)
+        block_bytes = CacheEngine.get_cache_block_size_bytes(cache, self.config.model_config,
+                                                             self.shard.num_kv_heads)
         # Only preemption by swap ever moves blocks to the CPU.
         swap = self.config.scheduler_config.preemption_mode == "swap"
         num_cpu = int(cache.swap_space_gib * _GIB) // block_bytes if swap else 0
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override, num_cpu
         if self.device.type == "cpu":
-            return int(cache.kv_cache_space_gib * _GIB) // block_bytes, num_cpu
+            return self._fewest_over_ranks(int(cache.kv_cache_space_gib * _GIB) // block_bytes,
+                                           num_cpu)
         sched = self.config.scheduler_config
         # The profile's peak holds the weights too (allocated all along; free_at_start was
         # before them), but not the transients of loading them.
@@ -93,14 +123,22 @@ class Worker:
         num_blocks = num_kv_blocks(profile, cache.gpu_memory_utilization, block_bytes)
         log.info("memory profiled", free_at_start_gib=round(profile.free_at_start / _GIB, 2),
                  peak_gib=round(profile.torch_peak / _GIB, 2), device_blocks=num_blocks)
-        return num_blocks, num_cpu
+        return self._fewest_over_ranks(num_blocks, num_cpu)
+
+    def _fewest_over_ranks(self, num_device: int, num_cpu: int) -> tuple[int, int]:
+        """Every rank holds every block (of its own heads): the group has the fewest any has."""
+        if self.group is None:
+            return num_device, num_cpu
+        num_device, num_cpu = self.group.min_ints([num_device, num_cpu])
+        return num_device, num_cpu
 
     def initialize_cache(self, num_device_blocks: int, num_cpu_blocks: int) -> None:
         self.free_cache()  # never two caches at once
         cache = self.config.cache_config
         cache.num_device_blocks = num_device_blocks
         cache.num_cpu_blocks = num_cpu_blocks
-        self.cache_engine = CacheEngine(cache, self.config.model_config, self.device)
+        self.cache_engine = CacheEngine(cache, self.config.model_config, self.device,
+                                        self.shard.num_kv_heads)
         self.model_runner.kv_caches = self.cache_engine.device_cache
         log.info("kv cache ready", device_blocks=num_device_blocks, cpu_blocks=num_cpu_blocks,
                  block_size=cache.block_size,
@@ -111,7 +149,9 @@ class Worker:
         """After the profile and the cache, before serving: decode steps as CUDA graphs (on
         CUDA with the Triton attention, unless --enforce-eager)."""
         runner, dc = self.model_runner, self.config.device_config
-        if not graphs_apply(self.device, dc.enforce_eager, runner.attn_backend.name):
+        # (Not with a group: its collectives would have to be captured as well.)
+        if self.group is not None or not graphs_apply(self.device, dc.enforce_eager,
+                                                      runner.attn_backend.name):
             if self.device.type == "cuda":
                 log.info("decode steps run eagerly", enforce_eager=dc.enforce_eager,
                          attention_backend=runner.attn_backend.name)
@@ -152,6 +192,43 @@ class Worker:
         gc.collect()  # whatever cycle still holds a cache tensor
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    # -- messages from the engine ---------------------------------------------------------------
+    def relay(self, message: ExecuteModelRequest | WorkerCall, frame: bytes | None = None) -> None:
+        """A group's leader: pass the engine's message (its encoded `frame`, when at hand) on
+        to the other ranks, which must handle it too. Nothing to do on one rank."""
+        if self.group is not None and self.group.is_leader:
+            self.group.broadcast_frame(frame if frame is not None else encode(message))
+
+    def call(self, method: str, args: list[int]) -> list[int]:
+        """A setup call by name (proto.control.WorkerCall)."""
+        if method == "determine_num_available_blocks":
+            return list(self.determine_num_available_blocks())
+        if method == "initialize_cache":
+            # Both calls free the cache of an engine before this one (or one that lost
+            # track of this worker), and the sequences it held there.
+            self.initialize_cache(*args)
+            return []
+        raise ValueError(f"unknown call {method!r}")
+
+    def serve_follower(self) -> None:
+        """A rank other than the leader: handle what the leader relays until it says stop
+        (WorkerCall "stop"); GroupBroken when the group breaks."""
+        while True:
+            frame = self.group.receive_frame()
+            if frame is None:
+                continue  # a ping, answered
+            msg = decode(frame, (ExecuteModelRequest, WorkerCall))
+            if isinstance(msg, ExecuteModelRequest):
+                self.execute_model(msg)
+            elif msg.method == "stop":
+                return
+            else:
+                self.call(msg.method, msg.args)
+
+    def stop_followers(self) -> None:
+        """The leader: let the other ranks' `serve_follower` return."""
+        self.relay(WorkerCall(-1, "stop", []))
 
     def execute_model(self, request: ExecuteModelRequest) -> SamplerOutput:
         # Block moves first: this step's sequences may read blocks just swapped in or copied.

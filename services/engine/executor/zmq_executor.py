@@ -1,8 +1,10 @@
 """Executor that drives worker processes over ZeroMQ.
 
 The engine binds a ROUTER; workers connect (DEALER), register, and heartbeat. Each step is
-encoded once and sent to every worker of the tensor-parallel group; rank 0 returns the
-SamplerOutput.
+encoded once and sent once, to rank 0 of the tensor-parallel group, which relays it to the
+other ranks over torch.distributed and returns the SamplerOutput; the other ranks only
+register and heartbeat, so that the engine knows the whole group is there. A lost rank loses
+the whole group (its processes exit and form it again), so every rank is dropped with it.
 
 A worker that goes silent for the liveness timeout (or whose connection is gone) raises
 `WorkerLost`; the engine then calls `drop_lost_workers`, waits until `has_all_workers()` again
@@ -176,8 +178,9 @@ class ZmqExecutor(Executor):
         registration, or take a candidate that is alive) and every step in flight. Returns
         the ranks that were dropped."""
         lost = [rank for rank, identity in self.workers.items() if not self._alive(identity)]
-        if not lost:
+        if not lost or self.world_size > 1:
             # Unreachable but still beating (its connection broke): it cannot be used either.
+            # In a tensor-parallel group, one lost rank breaks the group for all.
             lost = list(self.workers)
         for rank in lost:
             self.workers.pop(rank)
@@ -202,34 +205,32 @@ class ZmqExecutor(Executor):
             if got is not None and got[0] == from_identity:
                 return got[1]
 
-    def _send_all(self, frame: bytes) -> None:
+    def _send_to_leader(self, frame: bytes) -> None:
+        """To rank 0, which relays to the rest of its group; every rank must be registered."""
         for rank in range(self.world_size):
-            identity = self.workers.get(rank)
-            if identity is None:
+            if rank not in self.workers:
                 raise WorkerLost(f"no worker holds rank {rank}")
-            try:
-                self.sock.send_multipart([identity, frame])
-            except zmq.ZMQError as e:
-                raise WorkerLost(f"worker rank {rank} unreachable: {e}") from None
+        try:
+            self.sock.send_multipart([self.workers[0], frame])
+        except zmq.ZMQError as e:
+            raise WorkerLost(f"worker rank 0 unreachable: {e}") from None
 
     def _call(self, method: str, *args: int) -> list[int]:
         call_id = next(self.call_ids)
-        self._send_all(encode(WorkerCall(call_id, method, list(args))))
-        results = []
-        for rank in range(self.world_size):
-            while True:
-                reply = self._wait_for(WorkerReply, self.workers[rank])
-                if reply.call_id == call_id:
-                    break  # else the answer to a call of an engine that is gone
-            if reply.error:
-                raise WorkerCallError(f"worker rank {rank}: {method} failed: {reply.error}")
-            results.append(reply.result)
-        return results[0]
+        self._send_to_leader(encode(WorkerCall(call_id, method, list(args))))
+        while True:
+            reply = self._wait_for(WorkerReply, self.workers[0])
+            if reply.call_id == call_id:
+                break  # else the answer to a call of an engine that is gone
+        if reply.error:
+            raise WorkerCallError(f"worker rank 0: {method} failed: {reply.error}")
+        return reply.result
 
     # -- the executor interface ----------------------------------------------------------------
     def determine_num_available_blocks(self) -> tuple[int, int]:
-        blocks = [self._call("determine_num_available_blocks")]
-        return int(blocks[0][0]), int(blocks[0][1])
+        # Rank 0 answers with the fewest over its group's ranks.
+        num_device, num_cpu = self._call("determine_num_available_blocks")
+        return int(num_device), int(num_cpu)
 
     def initialize_cache(self, num_device_blocks: int, num_cpu_blocks: int) -> None:
         self._call("initialize_cache", num_device_blocks, num_cpu_blocks)
@@ -238,7 +239,7 @@ class ZmqExecutor(Executor):
     def submit(self, request: ExecuteModelRequest) -> None:
         frame = encode(request)
         self.last_request_bytes = len(frame)
-        self._send_all(frame)
+        self._send_to_leader(frame)
         if not self.in_flight:
             self.last_progress = time.monotonic()
         self.in_flight.append(request.step_id)

@@ -6,12 +6,14 @@ one matmul each; `load_weights` stacks the Hugging Face tensors into them. The r
 is carried beside the hidden state so that each RMSNorm also does the residual add before it.
 On the CPU the element-wise ops run as the compiled kernels of kernels/cpu (one pass each), on
 CUDA as the Triton kernels of kernels/triton (the residual add fused into RMSNorm, rotary in
-place); the torch code beside them computes the same and runs everywhere else.
+place); the torch code beside them computes the same and runs everywhere else. Under tensor
+parallelism each rank holds its part of every layer (models/tensor_parallel.py) and the
+row-parallel outputs are summed over the group.
 """
 import importlib.util
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +23,11 @@ from kernels import cpu as cpu_kernels
 from services.worker.attention.base import AttentionBackend, AttentionMetadata
 from services.worker.models.linear import (Linear, PackedWeight, SiluAndMulLinear, linear,
                                            pack_weight)
+from services.worker.models.rope import rope_inv_freq
+from services.worker.models.tensor_parallel import TensorParallelShard, shard_for, shard_tensor
+
+if TYPE_CHECKING:
+    from services.worker.distributed import TensorParallelGroup
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -34,14 +41,31 @@ def triton_elementwise_for(x: torch.Tensor) -> bool:
     return (x.is_cuda and _HAS_TRITON) if TRITON_ELEMENTWISE is None else TRITON_ELEMENTWISE
 
 
+def all_reduce(x: torch.Tensor, group: "TensorParallelGroup | None") -> torch.Tensor:
+    """The sum of a row-parallel output over the ranks (nothing to do on one rank)."""
+    return x if group is None else group.all_reduce(x)
+
+
 class Embedding(nn.Module):
-    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype):
+    """The embedding table, or on a tensor-parallel rank its rows `vocab` [start, end): ids
+    outside them embed as zeros, and the ranks' embeddings are summed."""
+
+    def __init__(self, vocab: tuple[int, int], embedding_dim: int, dtype: torch.dtype,
+                 group: "TensorParallelGroup | None" = None):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, dtype=dtype),
+        self.vocab_start, self.vocab_end = vocab
+        self.weight = nn.Parameter(torch.empty(vocab[1] - vocab[0], embedding_dim, dtype=dtype),
                                    requires_grad=False)
+        self.group = group
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        if self.group is None:
+            return F.embedding(input_ids, self.weight)
+        held = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local = torch.where(held, input_ids - self.vocab_start, 0)
+        x = F.embedding(local, self.weight)
+        x.masked_fill_(~held.unsqueeze(-1), 0)
+        return all_reduce(x, self.group)
 
 
 class RMSNorm(nn.Module):
@@ -63,42 +87,6 @@ class RMSNorm(nn.Module):
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         residual = x + residual
         return F.rms_norm(residual, self.weight.shape, self.weight, self.eps), residual
-
-
-def rope_parameters(hf_config) -> dict:
-    """The rotary settings, from `rope_parameters` (transformers 5) or the older
-    `rope_theta` / `rope_scaling` fields."""
-    params = dict(getattr(hf_config, "rope_scaling", None) or {})
-    params.update(getattr(hf_config, "rope_parameters", None) or {})
-    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", None) or 10000.0)
-    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
-    return params
-
-
-def rope_inv_freq(hf_config, head_dim: int) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] (float32), with Llama-3 or linear scaling."""
-    params = rope_parameters(hf_config)
-    rope_type = params["rope_type"]
-    assert params.get("partial_rotary_factor", 1.0) == 1.0, "partial rotary embeddings"
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    inv_freq = 1.0 / (params["rope_theta"] ** exponents)
-    if rope_type == "default":
-        return inv_freq
-    if rope_type == "linear":
-        return inv_freq / params["factor"]
-    if rope_type == "llama3":
-        factor = params["factor"]
-        low, high = params["low_freq_factor"], params["high_freq_factor"]
-        original_len = params["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        # Long wavelengths are slowed down by `factor`, short ones kept, the band between
-        # blended smoothly.
-        smooth = (original_len / wavelen - low) / (high - low)
-        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-        scaled = torch.where(wavelen > original_len / low, inv_freq / factor, inv_freq)
-        is_band = (wavelen >= original_len / high) & (wavelen <= original_len / low)
-        return torch.where(is_band, blended, scaled)
-    raise NotImplementedError(f"rope_type {rope_type!r} is not supported (default, linear, llama3)")
 
 
 class RotaryEmbedding(nn.Module):
@@ -130,12 +118,16 @@ class RotaryEmbedding(nn.Module):
 
 
 class LlamaAttention(nn.Module):
+    """Self-attention over this rank's heads (all of them on one rank)."""
+
     def __init__(self, hf_config, attn_backend: AttentionBackend, rotary: RotaryEmbedding,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, shard: TensorParallelShard,
+                 group: "TensorParallelGroup | None" = None):
         super().__init__()
         c = hf_config
-        self.num_heads = c.num_attention_heads
-        self.num_kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        self.num_heads = shard.num_heads
+        self.num_kv_heads = shard.num_kv_heads
+        self.group = group
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         assert self.num_heads % self.num_kv_heads == 0
         self.q_size = self.num_heads * self.head_dim
@@ -144,7 +136,7 @@ class LlamaAttention(nn.Module):
         qkv_bias = c.model_type == "qwen2" or bool(getattr(c, "attention_bias", False))
         self.qkv_proj = Linear(c.hidden_size, self.q_size + 2 * self.kv_size, qkv_bias, dtype)
         self.o_proj = Linear(self.q_size, c.hidden_size, bool(getattr(c, "attention_bias", False)),
-                             dtype)
+                             dtype)  # row-parallel: summed over the ranks
         self.rotary = rotary
         self.attn_backend = attn_backend
 
@@ -158,7 +150,7 @@ class LlamaAttention(nn.Module):
                                             self.head_dim))
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        return self.o_proj(self.attend(q, k, v, kv_cache, meta))
+        return all_reduce(self.o_proj(self.attend(q, k, v, kv_cache, meta)), self.group)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kv_cache: KVCache | None, meta: AttentionMetadata) -> torch.Tensor:
@@ -178,27 +170,34 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hf_config, dtype: torch.dtype):
+    """The MLP over this rank's intermediate columns (all of them on one rank)."""
+
+    def __init__(self, hf_config, dtype: torch.dtype, shard: TensorParallelShard,
+                 group: "TensorParallelGroup | None" = None):
         super().__init__()
         c = hf_config
         assert getattr(c, "hidden_act", "silu") == "silu", c.hidden_act
         bias = bool(getattr(c, "mlp_bias", False))
-        self.gate_up_proj = SiluAndMulLinear(c.hidden_size, 2 * c.intermediate_size, bias, dtype)
-        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias, dtype)
+        inter = shard.intermediate_size
+        self.gate_up_proj = SiluAndMulLinear(c.hidden_size, 2 * inter, bias, dtype)
+        self.down_proj = Linear(inter, c.hidden_size, bias, dtype)  # row-parallel
+        self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj(x))  # SiLU(gate) * up: [T, intermediate]
+        # SiLU(gate) * up: [T, intermediate]
+        return all_reduce(self.down_proj(self.gate_up_proj(x)), self.group)
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, hf_config, attn_backend: AttentionBackend, rotary: RotaryEmbedding,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, shard: TensorParallelShard,
+                 group: "TensorParallelGroup | None" = None):
         super().__init__()
         c = hf_config
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(c, attn_backend, rotary, dtype)
+        self.self_attn = LlamaAttention(c, attn_backend, rotary, dtype, shard, group)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(c, dtype)
+        self.mlp = LlamaMLP(c, dtype, shard, group)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: KVCache | None,
@@ -221,7 +220,8 @@ class LlamaDecoderLayer(nn.Module):
         packed = (attn.qkv_proj.packed, attn.o_proj.packed, mlp.gate_up_proj.packed,
                   mlp.down_proj.packed)
         # The packing first: on a GPU nothing is packed, and the CPU kernels are never built.
-        return (all(p is not None and p.kind == "amx" for p in packed)
+        # The blocks run o_proj and the MLP in one call: no room for a sum over ranks between.
+        return (attn.group is None and all(p is not None and p.kind == "amx" for p in packed)
                 and mlp.gate_up_proj.packed.gate_up and cpu_kernels.layer_blocks_available())
 
     def forward_blocks(self, positions: torch.Tensor, x: torch.Tensor,
@@ -269,15 +269,16 @@ class LayerWorkspace:
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, hf_config, attn_backend: AttentionBackend, dtype: torch.dtype):
+    def __init__(self, hf_config, attn_backend: AttentionBackend, dtype: torch.dtype,
+                 shard: TensorParallelShard, group: "TensorParallelGroup | None" = None):
         super().__init__()
         c = hf_config
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         max_positions = getattr(c, "max_position_embeddings", None) or 2048
-        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dtype)
+        self.embed_tokens = Embedding(shard.vocab, c.hidden_size, dtype, group)
         # One cos/sin table shared by every layer.
         rotary = RotaryEmbedding(c, head_dim, max_positions, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(c, attn_backend, rotary, dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(c, attn_backend, rotary, dtype, shard, group)
                                     for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.use_blocks = False  # layers run `forward_blocks`: set once the weights are packed
@@ -301,16 +302,23 @@ _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qk
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, hf_config, attn_backend: AttentionBackend, dtype: torch.dtype):
+    """The model, or with `shard` and `group` one tensor-parallel rank's part of it
+    (services/worker/models/tensor_parallel.py)."""
+
+    def __init__(self, hf_config, attn_backend: AttentionBackend, dtype: torch.dtype,
+                 shard: TensorParallelShard | None = None,
+                 group: "TensorParallelGroup | None" = None):
         super().__init__()
         self.config = hf_config
         self.dtype = dtype
-        self.model = LlamaModel(hf_config, attn_backend, dtype)
+        self.shard = shard or shard_for(hf_config)
+        self.group = group if self.shard.world_size > 1 else None
+        self.model = LlamaModel(hf_config, attn_backend, dtype, self.shard, self.group)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.lm_head_packed: PackedWeight | None = None  # a tied head's packed copy
         self.packed = False  # weights prepared by `pack_weights`; loading is over then
         if not self.tie_word_embeddings:
-            self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, False, dtype)
+            self.lm_head = Linear(hf_config.hidden_size, self.shard.vocab_rows, False, dtype)
         attn = self.model.layers[0].self_attn
         mlp = self.model.layers[0].mlp
         inter = mlp.down_proj.weight.shape[1]
@@ -328,12 +336,19 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """[N, hidden] -> [N, vocab] in the model's dtype (the sampler reads bf16 logits
-        directly where it can, and converts them to float32 where it must)."""
+        directly where it can, and converts them to float32 where it must). Tensor-parallel:
+        every rank computes its vocabulary range, and only the leader gets the logits."""
         if not self.tie_word_embeddings:
-            return self.lm_head(hidden_states)
-        return linear(hidden_states, self.model.embed_tokens.weight, None, self.lm_head_packed)
+            logits = self.lm_head(hidden_states)
+        else:
+            logits = linear(hidden_states, self.model.embed_tokens.weight, None,
+                            self.lm_head_packed)
+        if self.group is None:
+            return logits
+        logits = self.group.gather_last_dim(logits)
+        return None if logits is None else logits[:, :self.shard.vocab_size]
 
     def pack_weights(self) -> None:
         """After loading: prepare every matmul weight for the device's fastest kernel. The head
@@ -354,6 +369,7 @@ class LlamaForCausalLM(nn.Module):
         if self.packed:
             raise RuntimeError("load_weights after pack_weights: the packed copies would be stale")
         params = dict(self.named_parameters())
+        attn = self.model.layers[0].self_attn
         # What must be loaded: whole parameters, and each slice of a fused one.
         expected = set()
         for name in params:
@@ -372,6 +388,7 @@ class LlamaForCausalLM(nn.Module):
             if name not in params:
                 raise KeyError(f"checkpoint tensor {hf_name!r} has no place in the model")
             target = params[name]
+            tensor = shard_tensor(hf_name, tensor, self.shard, attn.head_dim)
             if fused in self._shard_rows:
                 target = target.narrow(0, *self._shard_rows[fused][index])
             if tuple(target.shape) != tuple(tensor.shape):
