@@ -269,5 +269,7 @@ def test_a_killed_replicas_requests_finish_on_the_other_with_the_same_text(dp_st
     # They went on from their output so far, on the replica left (the gateway's log says so).
     gateway = next(m for m in dp_stack.stack.members if m.service == "gateway")
     with open(gateway.log_path) as f:
-        moved = re.findall(r"request moved to another engine replica.*from_replica=1", f.read())
+        moved = re.findall(r"request moved to another engine replica +from_replica=1 .*"
+                           r"resumed_tokens=(\d+)", f.read())
     assert moved, "no request was moved off the killed replica"
+    assert max(map(int, moved)) > 0, "the moved requests carried no output"
