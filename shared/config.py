@@ -266,7 +266,7 @@ class EngineArgs:
             raise ConfigError("tensor_parallel_size", f"must be at least 1, got {size}")
         for rank in range(size):
             shard_for(hf_config, rank, size)
-        if device.type == "cuda":
+        if device.type == "cuda" and size > 1:
             device_for_rank(device, size - 1, torch.cuda.device_count())
 
     def _check_types(self) -> None:

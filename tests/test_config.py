@@ -148,7 +148,7 @@ INVALID = [
     ("max_num_batched_tokens", dict(enable_chunked_prefill=False, max_num_batched_tokens=256)),
     ("preemption_mode", dict(preemption_mode="drop")),
     ("tensor_parallel_size", dict(tensor_parallel_size=0)),
-    ("tensor_parallel_size", dict(tensor_parallel_size=4)),  # 3 KV heads do not share 4 ways
+    ("tensor_parallel_size", dict(tensor_parallel_size=3)),  # 2 KV heads do not share 3 ways
     ("data_parallel_size", dict(data_parallel_size=0)),
     ("data_parallel_size", dict(data_parallel_size=True)),
     ("device", dict(device="tpu")),
