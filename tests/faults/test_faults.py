@@ -92,7 +92,7 @@ BAD_BODIES = [
     b'{"prompt": "hi", "presence_penalty": -1e308}', b'{"prompt": "hi", "top_k": -5}',
     b'{"prompt": "hi", "stop": [1, 2]}', b'{"prompt": ""}', b'{"prompt": []}',
     b'{"prompt": [[]]}', b'{"prompt": [-1, 99999999]}', b'{"prompt": "hi", "stream": "maybe"}',
-    b'{"prompt": "hi", "model": "no-such-model"}', b'{"prompt": "hi", "best_of": 5}',
+    b'{"prompt": "hi", "model": "no-such-model"}', b'{"prompt": "hi", "n": 3, "best_of": 2}',
     b'{"messages": "hi"}', b'{"messages": []}', b'{"messages": [{"role": 1}]}',
     b'{"messages": [{"content": "hi"}]}', b'{"messages": [{"role": 7, "content": "hi"}]}',
     b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 99999999}',
