@@ -10,8 +10,8 @@ _EXPORTS = {
     "LLMEngine": "services.engine.llm_engine",
     "EngineArgs": "shared.config",
     "SamplingParams": "shared.sampling_params",
-    "RequestOutput": "services.engine.outputs",
-    "CompletionOutput": "services.engine.outputs",
+    "RequestOutput": "shared.outputs",
+    "CompletionOutput": "shared.outputs",
     "AsyncEngineClient": "services.gateway.client",
     "EngineRequestError": "services.gateway.client",
 }

@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from services.engine.outputs import CompletionOutput, RequestOutput
+from shared.outputs import CompletionOutput, RequestOutput
 from services.gateway.client import _TIMED_OUT, EngineRequestError, _Stream
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.streaming import NOT_READY, EngineStreams

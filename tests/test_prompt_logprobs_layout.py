@@ -1,7 +1,7 @@
 """How the gateway lays out a prompt's logprobs (services/gateway/extensions.py) when the engine
 computed more alternatives than one of the fields asked for: echo's `logprobs` and
 `prompt_logprobs` share one engine request, asked for the larger of the two."""
-from services.engine.outputs import RequestOutput
+from shared.outputs import RequestOutput
 from services.gateway.extensions import echo_logprobs, vllm_prompt_logprobs
 
 

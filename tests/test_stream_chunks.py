@@ -7,7 +7,7 @@ import json
 import pytest
 from openai.types.chat import ChatCompletionChunk as OpenAIChatChunk
 
-from services.engine.outputs import CompletionOutput, RequestOutput
+from shared.outputs import CompletionOutput, RequestOutput
 from services.gateway.chat_tools import MessageParts
 from services.gateway.openai_serving import chat_logprobs, completion_logprobs
 from services.gateway.schemas import (ChatCompletionChunk, ChatCompletionStreamChoice,

@@ -10,7 +10,7 @@ from shared.chat_template import load_chat_template, render_chat
 from shared.config import EngineArgs
 from shared.sampling_params import SamplingParams
 from services.engine.llm_engine import LLMEngine
-from services.engine.outputs import RequestOutput
+from shared.outputs import RequestOutput
 
 
 class LLM:

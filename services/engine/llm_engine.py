@@ -14,7 +14,7 @@ from shared.structured_output import check_supported
 from shared.tokenizer import eos_token_ids, get_tokenizer
 from services.detokenizer.incremental import IncrementalDetokenizer
 from services.engine.executor import Executor
-from services.engine.outputs import CompletionOutput, RequestOutput
+from shared.outputs import CompletionOutput, RequestOutput
 from services.engine.scheduler import ScheduledSequenceGroup, Scheduler, SchedulerOutputs
 from services.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from services.engine.stop_checker import check_stop

@@ -1,10 +1,10 @@
 """Sequences and sequence groups: the engine's state of each request (never crosses a socket)."""
 import enum
 import time
-from dataclasses import dataclass, field
 
 from proto.messages import PLACEHOLDER
 from services.engine.block_hash import check_cache_salt
+from shared.outputs import RequestMetrics
 from shared.sampling_params import SamplingParams
 
 
@@ -111,16 +111,6 @@ class Sequence:
         self.num_computed_tokens = 0
         self.worker_synced = False
         self.num_blocks_sent = 0
-
-
-@dataclass
-class RequestMetrics:
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    finished_time: float | None = None
-    time_in_queue: float | None = None
 
 
 class SequenceGroup:

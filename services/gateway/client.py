@@ -52,7 +52,7 @@ from shared.sockets import (bind, bind_random_port, connect, make_socket, probe_
 from shared.stack_config import StackConfig
 from services.gateway.heartbeat import GatewayHeartbeat
 from services.gateway.replicas import EngineReplica, combined_health, least_loaded
-from services.engine.outputs import CompletionOutput, RequestOutput
+from shared.outputs import CompletionOutput, RequestOutput
 
 log = get_logger("client")
 

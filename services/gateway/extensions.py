@@ -14,7 +14,7 @@ their checks, and how their results are laid out in responses.
 import dataclasses
 
 from proto.requests import PromptOptions
-from services.engine.outputs import CompletionOutput, RequestOutput
+from shared.outputs import CompletionOutput, RequestOutput
 from services.gateway.schemas import CompletionLogprobs, UsageInfo
 from shared.sampling_params import SamplingParams, SamplingParamsError
 

@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from proto.requests import HealthResponse
-from services.engine.outputs import RequestOutput
+from shared.outputs import RequestOutput
 from shared.sampling_params import SamplingParams
 
 # Buckets of vLLM's histograms for the same quantities.

@@ -15,7 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from proto.requests import PromptOptions
-from services.engine.outputs import CompletionOutput, RequestOutput
+from shared.outputs import CompletionOutput, RequestOutput
 from services.gateway.chat_tools import (ChatOutput, ChatRequestError, ChatSettings,
                                          MessageParts, chat_prompt, tool_plan, with_tool_grammar)
 from services.gateway.client import EngineRequestError

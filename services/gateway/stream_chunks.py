@@ -6,7 +6,7 @@ extra fields (vLLM's) after them. Only a chunk's logprobs still go through their
 """
 from dataclasses import dataclass, field
 
-from services.engine.outputs import RequestOutput
+from shared.outputs import RequestOutput
 from services.gateway.chat_tools import MessageParts
 from services.gateway.schemas import ChoiceLogprobs, CompletionLogprobs, TokenLogprob
 

@@ -16,7 +16,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from proto.requests import PromptOptions
-from services.engine.outputs import RequestOutput
+from shared.outputs import RequestOutput
 from services.gateway.client import EngineRequestError
 from services.gateway.metrics import GatewayMetrics, RequestTimer
 from shared.logging import get_logger

@@ -1,7 +1,16 @@
-"""What the engine returns for a request (vLLM's RequestOutput / CompletionOutput names)."""
+"""What the engine returns for a request (vLLM's RequestOutput / CompletionOutput names): the
+offline LLM returns these, and the gateway's client builds the same from the stack's messages.
+"""
 from dataclasses import dataclass, field
 
-from services.engine.sequence import RequestMetrics
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    time_in_queue: float | None = None
 
 
 @dataclass
