@@ -21,7 +21,6 @@ import ctypes
 import os
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -34,7 +33,7 @@ from shared.config import EngineArgs
 from shared.curve import CurveKeys
 from shared.logging import get_logger
 from shared.placement import parse_cpu_list, rank_cpus
-from shared.sockets import probe_health
+from shared.sockets import free_tcp_ports, probe_health
 from shared.stack_config import StackConfig, default_run_dir
 from ops.compose import ServiceSpec, default_compose_file, load_services
 
@@ -119,17 +118,10 @@ def use_tcp_ports(stack: StackConfig, host: str) -> None:
     over tcp too)."""
     names = ("request_input", "tokenizer_input", "engine_input", "worker_addr",
              "detokenizer_addr", "engine_control")
-    probes = [socket.socket() for _ in range(len(names) * stack.num_replicas)]
-    try:
-        for probe in probes:  # all open at once: different ports
-            probe.bind((host, 0))
-        ports = iter(probe.getsockname()[1] for probe in probes)
-        for name in names:
-            stack.set_replica_addresses(name, [f"tcp://{host}:{next(ports)}"
-                                               for _ in range(stack.num_replicas)])
-    finally:
-        for probe in probes:
-            probe.close()
+    ports = iter(free_tcp_ports(host, len(names) * stack.num_replicas))
+    for name in names:
+        stack.set_replica_addresses(name, [f"tcp://{host}:{next(ports)}"
+                                           for _ in range(stack.num_replicas)])
     stack.return_host = host
 
 
@@ -215,7 +207,8 @@ class LocalStack:
             use_tcp_ports(self.stack_config, tcp_host)
         # Each replica's tensor-parallel group meets on a port of its own (rank 0 hosts it).
         self.dist_init_addrs = ([f"tcp://{tcp_host or '127.0.0.1'}:{port}"
-                                 for port in _free_ports(tcp_host or "127.0.0.1", self.replicas)]
+                                 for port in free_tcp_ports(tcp_host or "127.0.0.1",
+                                                            self.replicas)]
                                 if self.counts["worker"] > 1 else [])
         keys_dir = curve_keys_dir or self.stack_config.curve_keys_dir
         self.stack_config.curve_keys_dir = os.path.abspath(keys_dir) if keys_dir else ""
@@ -427,17 +420,18 @@ class LocalStack:
         env.update(self.stack_config.to_env())
         env.update(PYTHONUNBUFFERED="1", **self.extra_env)
         env["PAGODA_REPLICA"] = str(replica)
-        if spec.command == "worker" and self.replicas > 1 and env.get("PAGODA_CPUS", "").strip():
-            # The workers' CPUs are shared out between the replicas, not given to each whole.
-            env["PAGODA_CPUS"] = replica_cpus(env["PAGODA_CPUS"], replica, self.replicas)
-        if spec.command == "worker" and self.counts["worker"] > 1:
+        ranks = self.counts["worker"]
+        if spec.command == "worker" and self.replicas * ranks > 1:
+            # Each worker process its own share of the workers' CPUs (those given, else this
+            # host's): first by replica, then by rank. Workers whose OpenMP threads share cores
+            # wait at every barrier for a preempted peer, and a tensor-parallel group meets at
+            # every layer's sum.
+            cpus = parse_cpu_list(env.get("PAGODA_CPUS", "").strip()
+                                  or ",".join(map(str, sorted(os.sched_getaffinity(0)))))
+            share = rank_cpus(rank_cpus(cpus, replica, self.replicas), rank, ranks)
+            env["PAGODA_CPUS"] = ",".join(map(str, share))
+        if spec.command == "worker" and ranks > 1:
             env["PAGODA_DIST_INIT_ADDR"] = self.dist_init_addrs[replica]
-            # Each rank its own share of the CPUs: the ranks meet at every layer's sum, so one
-            # whose threads wait for another's to be scheduled holds up the whole group.
-            cpus = (env.get("PAGODA_CPUS", "").strip()
-                    or ",".join(map(str, sorted(os.sched_getaffinity(0)))))
-            env["PAGODA_CPUS"] = ",".join(map(str, rank_cpus(parse_cpu_list(cpus), rank,
-                                                             self.counts["worker"])))
         instance = rank if spec.command in _PER_REPLICA else index
         return ServiceProcess(
             service=spec.name, index=index,
@@ -547,17 +541,6 @@ class LocalStack:
 _PER_REPLICA = ("engine", "worker")  # the services each engine replica has its own of
 
 
-def replica_cpus(cpu_list: str, replica: int, replicas: int) -> str:
-    """Replica `replica`'s contiguous share of a CPU list ("0-3", 1 of 2 -> "2,3"); with fewer
-    CPUs than replicas, they take them in turn."""
-    cpus = parse_cpu_list(cpu_list)
-    if len(cpus) < replicas:
-        return str(cpus[replica % len(cpus)])
-    base, extra = divmod(len(cpus), replicas)
-    start = replica * base + min(replica, extra)
-    return ",".join(map(str, cpus[start:start + base + (1 if replica < extra else 0)]))
-
-
 def _replica_count(specs: dict[str, ServiceSpec], data_parallel_size: int | None) -> int:
     """How many engine replicas: those the compose file lists (services that set
     PAGODA_REPLICA), else `data_parallel_size`; both given, they must agree."""
@@ -574,17 +557,6 @@ def _replica_count(specs: dict[str, ServiceSpec], data_parallel_size: int | None
         raise ValueError(f"data_parallel_size {data_parallel_size}, but the compose file "
                          f"lists {len(listed)} engine replicas")
     return len(listed)
-
-
-def _free_ports(host: str, count: int) -> list[int]:
-    probes = [socket.socket() for _ in range(count)]
-    try:
-        for probe in probes:  # all open at once: different ports
-            probe.bind((host, 0))
-        return [probe.getsockname()[1] for probe in probes]
-    finally:
-        for probe in probes:
-            probe.close()
 
 
 def _signal_group(popen: subprocess.Popen, sig: int) -> None:

@@ -24,6 +24,19 @@ log = get_logger("sockets")
 BOOT_ID = uuid.uuid4().hex
 
 
+def free_tcp_ports(host: str, count: int = 1) -> list[int]:
+    """`count` different tcp ports of `host` that nothing listened on a moment ago (all probed
+    at once, so that they differ; another process may still take one before it is bound)."""
+    probes = [socket.socket() for _ in range(count)]
+    try:
+        for probe in probes:
+            probe.bind((host, 0))
+        return [probe.getsockname()[1] for probe in probes]
+    finally:
+        for probe in probes:
+            probe.close()
+
+
 def process_instance_id() -> str:
     """This process's name towards its peers: host, pid and boot id."""
     return f"{socket.gethostname()}-{os.getpid()}-{BOOT_ID[:8]}"

@@ -10,7 +10,7 @@ and vocabulary rows each rank holds.
 - The vocabulary is padded to a multiple of the group's size and split into equal row ranges.
 
 The engine's config checks that a model splits (`shard_for` for every rank); the worker loads
-its rank's slices (services/worker/models/tensor_parallel.py).
+its rank's slices (services/worker/models/shard_weights.py).
 """
 from dataclasses import dataclass
 

@@ -15,7 +15,7 @@ from ops.launcher import LocalStack
 from shared.config import ConfigError
 from shared.tensor_parallel import shard_for
 from shared.sampling_params import SamplingParams
-from services.worker.models.tensor_parallel import shard_tensor
+from services.worker.models.shard_weights import shard_tensor
 from tests.faults.stack_faults import SupervisedStack, free_port
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
@@ -86,14 +86,13 @@ def one_rank(llm) -> list:
 
 def test_offline_engine_on_two_ranks_gives_one_rank_greedy_output(one_rank):
     from pagoda import LLM
-    llm = LLM(tensor_parallel_size=2, kv_cache_space_gib=0.25, swap_space=0.05)
-    try:
+    with LLM(tensor_parallel_size=2, kv_cache_space_gib=0.25, swap_space=0.05) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
         # Rank 0 holds 2 of SmolLM2's 3 KV heads (and their query heads), rank 1 the third.
         assert llm.llm_engine.executor.worker.shard.num_kv_heads == 2
-    finally:
-        llm.llm_engine.executor.shutdown()
+        followers = llm.llm_engine.executor.followers
     assert got == [o.token_ids for o in one_rank]
+    assert [p.poll() for p in followers] == [0]  # close() stopped rank 1's process
 
 
 @pytest.fixture(scope="module")

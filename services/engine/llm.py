@@ -19,6 +19,18 @@ class LLM:
         self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
         self.request_counter = itertools.count()
 
+    def close(self) -> None:
+        """Stop the engine's other processes (the ranks of tensor_parallel_size > 1) and give
+        back what it took of this process (threads, CPUs); nothing to do on one rank. The LLM
+        cannot generate afterwards. Also `with LLM(...) as llm:`."""
+        self.llm_engine.executor.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 

@@ -534,11 +534,17 @@ class AsyncEngineClient:
                 stream.queue.put_nowait(_RESUBMIT)
 
     def _move_streams(self) -> None:
-        """The requests of replicas that are not ok go, with their output so far, to live
-        ones (`LLMEngine.resume_outputs` there), each to the least loaded at its turn."""
+        """The requests of replicas whose engine is gone (silent for the engine timeout, or a
+        new process that does not have them) go, with their output so far, to live ones
+        (`LLMEngine.resume_outputs` there), each to the least loaded at its turn. A replica
+        that answers but is not ok (recovering its workers, say) keeps its requests: it still
+        holds them and goes on with them, and a copy elsewhere would run twice."""
+        now = time.monotonic()
         for request_id, stream in self.streams.items():
             old = self.replicas[stream.replica]
-            if old.ok or stream.failed:
+            gone = (now - old.last_answer > self.engine_timeout_s
+                    or stream.engine_epoch < old.epoch)
+            if old.ok or stream.failed or not gone:
                 continue
             self._bind(request_id, stream)
             log.warning("request moved to another engine replica", request_id=request_id,

@@ -13,7 +13,8 @@ nothing, the leader pings the group now and then, so that a follower's death is 
 when no step runs.
 """
 import datetime
-from dataclasses import dataclass
+import socket
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -41,6 +42,7 @@ class TensorParallelGroup:
     device: torch.device
     cpu_group: object  # gloo: frames, tokens, block counts
     device_group: object  # the device's backend: activations and logits
+    store_socket: socket.socket | None = field(default=None, repr=False)  # rank 0's listener
 
     @property
     def is_leader(self) -> bool:
@@ -48,23 +50,43 @@ class TensorParallelGroup:
 
     @classmethod
     def create(cls, rank: int, world_size: int, init_addr: str, device: torch.device,
-               timeout_s: float) -> "TensorParallelGroup":
-        """Join the group (blocks until every rank has); rank 0 hosts the store."""
+               timeout_s: float, join_timeout_s: float = 120.0) -> "TensorParallelGroup":
+        """Join the group: blocks until every rank has (at most `join_timeout_s`); rank 0
+        hosts the store. A collective may then wait `timeout_s` for a rank."""
         host, port = parse_init_addr(init_addr)
         timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout,
-                              wait_for_workers=True)
+        join_timeout = datetime.timedelta(seconds=join_timeout_s)
+        listener = None
+        if rank == 0:
+            # Listening on the given address only (the store alone would take every
+            # interface), from a socket held while the group lives.
+            listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((host, port))
+            listener.listen(world_size)
+        try:
+            store = dist.TCPStore(host, port, world_size, is_master=rank == 0,
+                                  timeout=join_timeout, wait_for_workers=True,
+                                  master_listen_fd=listener.fileno() if listener else None)
+        except RuntimeError as e:
+            if listener is not None:
+                listener.close()
+            raise GroupBroken(f"the tensor-parallel group did not form at {init_addr} within "
+                              f"{join_timeout_s:g} s: {e}") from e
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timeout)
         device_group = dist.group.WORLD
         cpu_group = device_group if backend == "gloo" else dist.new_group(backend="gloo",
                                                                           timeout=timeout)
-        return cls(rank, world_size, device, cpu_group, device_group)
+        return cls(rank, world_size, device, cpu_group, device_group, listener)
 
     def destroy(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+        if self.store_socket is not None:
+            self.store_socket.close()
+            self.store_socket = None
 
     # -- activations ---------------------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

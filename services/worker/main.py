@@ -108,9 +108,11 @@ class WorkerService:
             while not self._stop:
                 if not self.sock.poll(reregister_ms):
                     last_done = None  # no steps flowing: not idle time between passes
-                    self._register()
                     if group is not None:
-                        group.ping()  # notices a rank that died while nothing ran
+                        # Notices a rank that died while nothing ran (before registering,
+                        # so that a broken group is not offered to the engine again).
+                        group.ping()
+                    self._register()
                     continue
                 frame = self.sock.recv()
                 start = time.perf_counter()
@@ -132,13 +134,20 @@ class WorkerService:
 
     def _serve_follower(self) -> None:
         """A rank other than 0: the leader relays every step; its own socket only registers."""
-        threading.Thread(target=self._keep_registered, name="worker-register",
-                         daemon=True).start()
-        self.worker.serve_follower()
+        registering = threading.Thread(target=self._keep_registered, name="worker-register",
+                                       daemon=True)
+        registering.start()
+        try:
+            self.worker.serve_follower(lambda: self._stop)
+        finally:
+            self._stop = True
+            registering.join(timeout=self.stack.liveness_timeout_s)
 
     def _keep_registered(self) -> None:
         # The engine never answers a follower; repeating the registration keeps it listed
-        # after an engine restart.
+        # after an engine restart. The only user of self.sock while the follower serves
+        # (joined before the socket is closed).
+        spread_this_thread()
         while not self._stop:
             self._register()
             time.sleep(self.stack.liveness_timeout_s / 4)
@@ -183,6 +192,11 @@ class WorkerService:
         except GroupBroken:
             raise
         except Exception as e:
+            if self.worker.group is not None:
+                # The other ranks are inside the same call, perhaps in a collective this rank
+                # will not enter now: the group is out of step and must be formed again.
+                raise GroupBroken(f"{msg.method} failed on rank 0 of the group: "
+                                  f"{type(e).__name__}: {e}") from e
             log.exception("worker call failed", method=msg.method)
             return encode(WorkerReply(msg.call_id, [], f"{type(e).__name__}: {e}"))
 

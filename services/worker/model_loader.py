@@ -14,7 +14,7 @@ from shared.config import LoadConfig, ModelConfig, load_hf_config
 from shared.model_source import ModelSource
 from services.worker.attention.base import AttentionBackend
 from services.worker.models.llama import LlamaForCausalLM
-from services.worker.models.tensor_parallel import TensorParallelShard
+from shared.tensor_parallel import TensorParallelShard
 
 
 def load_model(model_config: ModelConfig, load_config: LoadConfig, device: torch.device,

@@ -22,7 +22,7 @@ from services.worker.grammar import SequenceMatcher, feed, new_matcher
 from services.worker.logit_edits import (allows_other_than, apply_allowed_token_ids,
                                           apply_logit_bias)
 from services.worker.model_loader import load_model
-from services.worker.models.tensor_parallel import TensorParallelShard, shard_for
+from shared.tensor_parallel import TensorParallelShard, shard_for
 from services.worker.sampler import Sampler, compute_prompt_logprobs
 from services.worker.sampling_metadata import SamplingRow, SamplingTensors
 from services.worker.staging import StagingBuffer

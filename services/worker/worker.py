@@ -8,6 +8,7 @@ ranks' loop).
 import gc
 import os
 import time
+from collections.abc import Callable
 
 import structlog
 import torch
@@ -22,7 +23,7 @@ from services.worker.distributed import TensorParallelGroup
 from services.worker.host_memory import keep_freed_memory
 from services.worker.memory_budget import ProfileMemory, num_kv_blocks
 from services.worker.model_runner import ModelRunner
-from services.worker.models.tensor_parallel import shard_for
+from shared.tensor_parallel import shard_for
 
 log = structlog.get_logger("worker")
 
@@ -44,14 +45,16 @@ def step_memory_error(step_id: int, allocated_at_start: int, step_peak: int,
 
 class Worker:
     def __init__(self, config: PagodaConfig, rank: int = 0, dist_init_addr: str = "",
-                 group_timeout_s: float = 300.0):
+                 group_timeout_s: float = 300.0, join_timeout_s: float = 120.0):
         """`dist_init_addr` (tcp://host:port): where a tensor-parallel group meets, rank 0
-        hosting the store; `group_timeout_s`: how long a collective may wait for a rank."""
+        hosting the store; `join_timeout_s`: how long a rank waits for the others to join;
+        `group_timeout_s`: how long a collective may wait for a rank."""
         self.config = config
         self.rank = rank
         self.world_size = config.parallel_config.tensor_parallel_size
         self.dist_init_addr = dist_init_addr
         self.group_timeout_s = group_timeout_s
+        self.join_timeout_s = join_timeout_s
         self.group: TensorParallelGroup | None = None
         device = config.device_config.device
         if device.type == "cuda":
@@ -83,7 +86,7 @@ class Worker:
                      world_size=self.world_size, addr=self.dist_init_addr)
             self.group = TensorParallelGroup.create(self.rank, self.world_size,
                                                     self.dist_init_addr, self.device,
-                                                    self.group_timeout_s)
+                                                    self.group_timeout_s, self.join_timeout_s)
             self.model_runner.group = self.group
 
     def load_model(self) -> None:
@@ -211,10 +214,11 @@ class Worker:
             return []
         raise ValueError(f"unknown call {method!r}")
 
-    def serve_follower(self) -> None:
+    def serve_follower(self, should_stop: Callable[[], bool] = lambda: False) -> None:
         """A rank other than the leader: handle what the leader relays until it says stop
-        (WorkerCall "stop"); GroupBroken when the group breaks."""
-        while True:
+        (WorkerCall "stop") or `should_stop()` (checked after each message or ping, which
+        comes at least every few seconds); GroupBroken when the group breaks."""
+        while not should_stop():
             frame = self.group.receive_frame()
             if frame is None:
                 continue  # a ping, answered

@@ -3,13 +3,13 @@
 follow it (services/worker/follower_process.py).
 
 The group meets on a free port of 127.0.0.1. The CPUs this process may use are split between
-the ranks, each running one OpenMP thread per CPU of its share (this process's torch threads
-and main thread are set to rank 0's share while the executor lives), so that the ranks'
-threads do not take turns on the same cores.
+the ranks, each running one OpenMP thread per CPU of its share, so that the ranks' threads do
+not take turns on the same cores: the children are started bound to theirs, and in this process
+torch's thread count and the calling thread's affinity are set to rank 0's share until
+`shutdown` (`LLM.close`). OpenMP threads this process started before keep their own affinity.
 """
 import os
 import pickle
-import socket
 import subprocess
 import sys
 from collections import deque
@@ -20,6 +20,7 @@ from proto.messages import ExecuteModelRequest, SamplerOutput
 from shared.config import PagodaConfig
 from shared.logging import get_logger
 from shared.placement import rank_cpus
+from shared.sockets import free_tcp_ports
 from services.engine.executor.base import Executor
 from services.worker.distributed import GroupBroken
 from services.worker.worker import Worker
@@ -29,14 +30,15 @@ log = get_logger("executor")
 # A follower waits for the leader's next step for as long as the user's program leaves the
 # engine idle; a dead leader still breaks the group at once (its sockets close).
 _GROUP_TIMEOUT_S = 7 * 24 * 3600.0
-_JOIN_S = 10.0
+_JOIN_S = 10.0  # for a follower to exit once told to stop
+_JOIN_TIMEOUT_S = 120.0  # for the followers to start and join the group
 
 
 class TensorParallelExecutor(Executor):
     def __init__(self, config: PagodaConfig):
         super().__init__(config)
         world = config.parallel_config.tensor_parallel_size
-        addr = f"tcp://127.0.0.1:{_free_port()}"
+        addr = f"tcp://127.0.0.1:{free_tcp_ports('127.0.0.1')[0]}"
         cpus = sorted(os.sched_getaffinity(0))
         blob = pickle.dumps(config)
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
@@ -48,7 +50,7 @@ class TensorParallelExecutor(Executor):
                        [root] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
             proc = subprocess.Popen(
                 [sys.executable, "-m", "services.worker.follower_process", str(rank), addr,
-                 str(_GROUP_TIMEOUT_S)], stdin=subprocess.PIPE, env=env)
+                 str(_GROUP_TIMEOUT_S), str(_JOIN_TIMEOUT_S)], stdin=subprocess.PIPE, env=env)
             proc.stdin.write(blob)
             proc.stdin.close()
             self.followers.append(proc)
@@ -60,7 +62,7 @@ class TensorParallelExecutor(Executor):
         log.info("tensor-parallel group starting", world_size=world, addr=addr,
                  followers=[p.pid for p in self.followers])
         try:
-            self.worker = Worker(config, 0, addr, _GROUP_TIMEOUT_S)
+            self.worker = Worker(config, 0, addr, _GROUP_TIMEOUT_S, _JOIN_TIMEOUT_S)
             self.worker.init_device()
             self.worker.load_model()
         except BaseException:
@@ -102,6 +104,9 @@ class TensorParallelExecutor(Executor):
                          for i, p in enumerate(self.followers))
 
     def shutdown(self) -> None:
+        if getattr(self, "_shut_down", False):
+            return
+        self._shut_down = True
         worker = getattr(self, "worker", None)
         if worker is not None and worker.group is not None:
             try:
@@ -124,9 +129,3 @@ def _follower_env(cpus: list[int]) -> dict[str, str]:
     """What a follower's OpenMP runtime and apply_placement read: one bound thread per CPU."""
     return {"PAGODA_CPUS": ",".join(map(str, cpus)), "OMP_NUM_THREADS": str(len(cpus)),
             "OMP_PLACES": ",".join(f"{{{c}}}" for c in cpus), "OMP_PROC_BIND": "close"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -7,7 +7,7 @@ is carried beside the hidden state so that each RMSNorm also does the residual a
 On the CPU the element-wise ops run as the compiled kernels of kernels/cpu (one pass each), on
 CUDA as the Triton kernels of kernels/triton (the residual add fused into RMSNorm, rotary in
 place); the torch code beside them computes the same and runs everywhere else. Under tensor
-parallelism each rank holds its part of every layer (models/tensor_parallel.py) and the
+parallelism each rank holds its part of every layer (models/shard_weights.py) and the
 row-parallel outputs are summed over the group.
 """
 import importlib.util
@@ -24,7 +24,8 @@ from services.worker.attention.base import AttentionBackend, AttentionMetadata
 from services.worker.models.linear import (Linear, PackedWeight, SiluAndMulLinear, linear,
                                            pack_weight)
 from services.worker.models.rope import rope_inv_freq
-from services.worker.models.tensor_parallel import TensorParallelShard, shard_for, shard_tensor
+from services.worker.models.shard_weights import shard_tensor
+from shared.tensor_parallel import TensorParallelShard, shard_for
 
 if TYPE_CHECKING:
     from services.worker.distributed import TensorParallelGroup
@@ -303,7 +304,7 @@ _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qk
 
 class LlamaForCausalLM(nn.Module):
     """The model, or with `shard` and `group` one tensor-parallel rank's part of it
-    (services/worker/models/tensor_parallel.py)."""
+    (shared/tensor_parallel.py, services/worker/models/shard_weights.py)."""
 
     def __init__(self, hf_config, attn_backend: AttentionBackend, dtype: torch.dtype,
                  shard: TensorParallelShard | None = None,

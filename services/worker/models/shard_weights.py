@@ -7,9 +7,7 @@ Norms are replicated.
 """
 import torch
 
-from shared.tensor_parallel import TensorParallelShard, shard_for
-
-__all__ = ["TensorParallelShard", "shard_for", "shard_tensor"]
+from shared.tensor_parallel import TensorParallelShard
 
 
 def shard_tensor(hf_name: str, tensor: torch.Tensor, shard: TensorParallelShard,
