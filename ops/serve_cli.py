@@ -153,8 +153,14 @@ def _print_banner(stack, elapsed_s: float) -> None:
     if stack.gateway_url:
         lines.append(f"  HTTP      {stack.gateway_url}/v1  (OpenAI-compatible)")
     from shared.stack_config import StackConfig
-    client = ("AsyncEngineClient()" if StackConfig().run_dir == stack.run_dir
-              else f"AsyncEngineClient(StackConfig(run_dir={stack.run_dir!r}))")
+    config = ("StackConfig()" if StackConfig().run_dir == stack.run_dir
+              else f"StackConfig(run_dir={stack.run_dir!r})")
+    if stack.replicas > 1:  # a client routes over every replica only if it knows of them
+        client = (f"config = {config}; config.use_replicas({stack.replicas}); "
+                  f"AsyncEngineClient(config)")
+    else:
+        client = ("AsyncEngineClient()" if config == "StackConfig()"
+                  else f"AsyncEngineClient({config})")
     if stack.replicas > 1:
         lines.append(f"  engines   {stack.replicas} replicas (data parallel), requests go to the "
                      f"least loaded")
