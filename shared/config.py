@@ -51,6 +51,8 @@ class ModelConfig:
     seed: int
     max_model_len: int
     hf_config: object = field(repr=False)  # transformers.PretrainedConfig of the architecture
+    # "int8": matmul weights kept as int8 with per-row scales (services/worker/models/int8.py)
+    quantization: str | None = None
 
     @property
     def num_layers(self) -> int:
@@ -172,6 +174,10 @@ class EngineArgs:
         "CUDA: run every step eagerly, without the CUDA graphs captured for decode steps at "
         "start-up (no effect on the CPU)")})
     load_format: str = "auto"
+    quantization: str | None = field(default=None, metadata={"help": (
+        "int8: matmul weights stored as int8 with one scale per output channel and converted "
+        "inside the matmul (weight-only; activations stay in --dtype); CPU only. Default: "
+        "weights as loaded")})
 
     def create_engine_config(self) -> PagodaConfig:
         self._check_types()
@@ -224,6 +230,11 @@ class EngineArgs:
             raise ConfigError("attention_backend", f"'cpu' needs the cpu device, not {device}")
         if self.load_format not in ("auto", "safetensors", "gguf"):
             raise ConfigError("load_format", f"must be auto, safetensors or gguf, got {self.load_format!r}")
+        if self.quantization is not None and self.quantization != "int8":
+            raise ConfigError("quantization", f"must be int8 or unset, got {self.quantization!r}")
+        if self.quantization is not None and device.type != "cpu":
+            raise ConfigError("quantization", f"{self.quantization!r} runs on the cpu device "
+                                              f"only, not {device}")
         max_batched = self.max_num_batched_tokens
         if max_batched is None:
             # Chunked prefill keeps steps short so decodes are not starved by long prompts;
@@ -241,7 +252,8 @@ class EngineArgs:
         return PagodaConfig(
             model_config=ModelConfig(
                 source=source, tokenizer=self.tokenizer or source.path, dtype=dtype,
-                seed=self.seed, max_model_len=max_model_len, hf_config=hf_config),
+                seed=self.seed, max_model_len=max_model_len, hf_config=hf_config,
+                quantization=self.quantization),
             cache_config=CacheConfig(
                 block_size=self.block_size, gpu_memory_utilization=gpu_memory_utilization,
                 kv_cache_space_gib=kv_cache_space_gib, swap_space_gib=self.swap_space,

@@ -159,6 +159,8 @@ INVALID = [
     ("enforce_eager", dict(enforce_eager="yes")),
     ("load_format", dict(load_format="pt")),
     ("load_format", dict(load_format="gguf")),  # the model is a safetensors folder
+    ("quantization", dict(quantization="fp8")),
+    ("quantization", dict(quantization="INT8")),
 ]
 
 
@@ -210,7 +212,7 @@ def test_every_field_round_trips_through_its_flag():
                       max_num_batched_tokens=2048, preemption_mode="swap",
                       tensor_parallel_size=2, data_parallel_size=2, device="cpu",
                       attention_backend="torch",
-                      enforce_eager=True, load_format="gguf")
+                      enforce_eager=True, load_format="gguf", quantization="int8")
     assert all(getattr(args, f.name) != f.default for f in dataclasses.fields(args))
     parsed = EngineArgs.from_cli_args(parser().parse_args(to_argv(args)))
     assert parsed == args

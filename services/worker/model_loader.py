@@ -27,7 +27,7 @@ def load_model(model_config: ModelConfig, load_config: LoadConfig, device: torch
                                  shard, group)
     model.load_weights(iter_weights(model_config.source, load_config.load_format,
                                     model_config.hf_config))
-    model.pack_weights()
+    model.pack_weights(model_config.quantization)
     return model.eval()
 
 

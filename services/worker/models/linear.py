@@ -12,6 +12,8 @@
   same at 1-2048 tokens. oneDNN's fp32 packing is slower on prompt-sized batches, so only the
   LM head, which only ever sees the sampled rows, is packed in fp32 (1.3x).
 The AMX-packed and fp32 weights live on huge pages (services/worker/host_memory.py).
+- `--quantization int8` (any dtype, on the CPU): int8 rows and per-row scales for torch's
+  weight-only int8 kernel (services/worker/models/int8.py); the gate/up SiLU runs after it.
 Elsewhere (GPU, fp16) weights stay as loaded and F.linear runs. A packed weight's plain copy is
 dropped (`drop_plain_weight`): only its shape and dtype remain.
 """
@@ -23,15 +25,18 @@ from torch import nn
 
 from kernels import cpu as cpu_kernels
 from services.worker.host_memory import host_copy, host_empty
+from services.worker.models.int8 import int8_linear, quantize_int8
 
 
 @dataclass
 class PackedWeight:
     """A weight [out_features, in_features] rearranged for one kernel."""
-    kind: str  # "amx": kernels.cpu.amx_linear; "onednn": torch.ops.mkldnn._linear_pointwise
+    kind: str  # "amx": kernels.cpu.amx_linear; "onednn": torch.ops.mkldnn._linear_pointwise;
+    # "int8": torch._weight_int8pack_mm (data int8, `scale` per row)
     data: torch.Tensor
     out_features: int
     gate_up: bool = False  # [gate; up] packed so that the matmul returns SiLU(gate) * up
+    scale: torch.Tensor | None = None
 
 
 def _onednn(dtype: torch.dtype) -> bool:
@@ -46,13 +51,17 @@ def _onednn(dtype: torch.dtype) -> bool:
 
 
 def pack_weight(weight: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,),
-                gate_up: bool = False) -> PackedWeight | None:
+                gate_up: bool = False, quantization: str | None = None) -> PackedWeight | None:
     """The weight [out, in] packed for the fastest kernel that takes it, if its dtype is one of
     `dtypes` and it is on the CPU; None otherwise. `gate_up` asks for the fused SiLU(gate) * up
-    where the kernel has it (see `PackedWeight.gate_up` for whether it was given)."""
+    where the kernel has it (see `PackedWeight.gate_up` for whether it was given).
+    `quantization="int8"` quantizes a CPU weight of any dtype instead."""
+    out_features = weight.shape[0]
+    if quantization == "int8" and weight.device.type == "cpu":
+        q, scale = quantize_int8(weight)
+        return PackedWeight("int8", q, out_features, scale=scale)
     if weight.device.type != "cpu" or weight.dtype not in dtypes:
         return None
-    out_features = weight.shape[0]
     # On huge pages: a step streams it from memory (services/worker/host_memory.py).
     amx = cpu_kernels.pack_amx_weight(weight, gate_up, empty=host_empty)
     if amx is not None:
@@ -77,6 +86,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         return F.linear(x, weight, bias)
     if packed.kind == "amx":
         return cpu_kernels.amx_linear(x, packed.data, bias, packed.out_features, packed.gate_up)
+    if packed.kind == "int8":
+        return int8_linear(x, packed.data, packed.scale, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed.data, bias, "none", [], "")
 
 
@@ -93,9 +104,10 @@ class Linear(nn.Module):
                      if bias else None)
         self.packed: PackedWeight | None = None  # set by `pack` once the weight is loaded
 
-    def pack(self, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)) -> None:
+    def pack(self, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,),
+             quantization: str | None = None) -> None:
         weight = self.weight
-        self.packed = pack_weight(weight, dtypes, gate_up=self.gate_up)
+        self.packed = pack_weight(weight, dtypes, gate_up=self.gate_up, quantization=quantization)
         if self.packed is not None:
             drop_plain_weight(self)
         elif weight.device.type == "cpu" and weight.dtype == torch.float32:

@@ -351,15 +351,19 @@ class LlamaForCausalLM(nn.Module):
         logits = self.group.gather_last_dim(logits)
         return None if logits is None else logits[:, :self.shard.vocab_size]
 
-    def pack_weights(self) -> None:
+    def pack_weights(self, quantization: str | None = None) -> None:
         """After loading: prepare every matmul weight for the device's fastest kernel. The head
-        is the largest matmul and is packed in fp32 too (a copy of the embedding, when tied)."""
+        is the largest matmul and is packed in fp32 too (a copy of the embedding, when tied).
+        `quantization="int8"`: every matmul weight, the head included, as int8 rows and scales,
+        one tensor at a time; a tied embedding table itself stays as loaded."""
         head_dtypes = (torch.bfloat16, torch.float32)
         for name, module in self.named_modules():
             if isinstance(module, Linear):
-                module.pack(head_dtypes if name == "lm_head" else (torch.bfloat16,))
+                module.pack(head_dtypes if name == "lm_head" else (torch.bfloat16,),
+                            quantization)
         if self.tie_word_embeddings:
-            self.lm_head_packed = pack_weight(self.model.embed_tokens.weight, head_dtypes)
+            self.lm_head_packed = pack_weight(self.model.embed_tokens.weight, head_dtypes,
+                                              quantization=quantization)
         # All layers or none: a model some of whose matmuls went to oneDNN runs module by module.
         self.model.use_blocks = all(layer.blocks_ready() for layer in self.model.layers)
         self.packed = True

@@ -1,0 +1,199 @@
+"""Weight-only int8 (`--quantization int8`, services/worker/models/int8.py): the layers against a
+dequantized reference, then the default model in int8 against the same model unquantized
+(the session `llm`, default dtype): greedy tokens up to near-ties, and perplexity on a text."""
+import math
+
+import pytest
+import torch
+
+from pagoda import LLM, SamplingParams
+from services.worker.models.int8 import KERNEL_MAX_ROWS
+from services.worker.models.linear import Linear, SiluAndMulLinear
+
+# (K, N): multiples and non-multiples of 16 and 64; K = 100 is the padded bf16 case.
+SHAPES = [(64, 64), (100, 33), (48, 100), (576, 1536)]
+
+
+def _layer(cls, k: int, n: int, bias: bool, dtype: torch.dtype) -> Linear:
+    torch.manual_seed(k * 1000 + n)
+    layer = cls(k, n, bias, dtype)
+    # Rows of very different sizes, so that one scale for all would not do.
+    layer.weight.copy_(torch.randn(n, k) * torch.logspace(-2, 0, n)[:, None])
+    if bias:
+        layer.bias.copy_(torch.randn(n))
+    layer.pack(quantization="int8")
+    return layer
+
+
+def _dequantized(layer: Linear) -> torch.Tensor:
+    """q * s[:, None] in fp32, without the padding columns."""
+    packed = layer.packed
+    k = layer.weight.shape[1]
+    return packed.data[:, :k].float() * packed.scale.float()[:, None]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("k,n", SHAPES)
+@pytest.mark.parametrize("m", [1, 7, 64])
+def test_int8_linear_matches_the_dequantized_weight(m, k, n, dtype):
+    """Up to KERNEL_MAX_ROWS rows torch's int8 kernel, on bf16 activations; more rows a
+    dequantized temporary in the activation dtype and the dense matmul."""
+    layer = _layer(Linear, k, n, bias=(m != 1), dtype=dtype)
+    assert layer.packed.kind == "int8" and layer.packed.data.dtype == torch.int8
+    assert layer.weight.device.type == "meta"  # the plain weight is dropped
+    x = torch.randn(m, k).to(dtype)
+    kernel = m <= KERNEL_MAX_ROWS
+    ref = (x.bfloat16() if kernel else x).float() @ _dequantized(layer).T
+    if layer.bias is not None:
+        ref += layer.bias.float()
+    out = layer(x)
+    assert out.dtype == dtype and out.shape == (m, n)
+    # bf16 anywhere: the output's (or the dequantized weight's) rounding, 2^-8 of its size.
+    exact = dtype == torch.float32 and not kernel
+    tol = (1e-5 if exact else 8e-3) * ref.abs().max().item()
+    err = (out.float() - ref).abs().max().item()
+    assert err <= tol, f"max error {err:.3g} > {tol:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_int8_rows_are_the_weight_to_half_a_step_of_their_own_scale(dtype):
+    torch.manual_seed(0)
+    weight = (torch.randn(40, 100) * torch.logspace(-3, 1, 40)[:, None]).to(dtype)
+    weight[5] = 0  # an all-zero row quantizes to zeros
+    layer = Linear(100, 40, False, dtype)
+    layer.weight.copy_(weight)
+    layer.pack(quantization="int8")
+    q, s = layer.packed.data[:, :100], layer.packed.scale.float()
+    assert (q[5] == 0).all()
+    assert (q.abs().amax(dim=1)[torch.arange(40) != 5] >= 126).all()  # each row uses its range
+    err = (q.float() * s[:, None] - weight.float()).abs()
+    assert (err <= 0.5 * s[:, None] * 1.01).all()
+    assert (layer.packed.data[:, 100:] == 0).all()  # padding columns, if any
+
+
+@pytest.mark.parametrize("m", [1, 7, 64])
+def test_int8_gate_up_applies_silu_gate_times_up(m):
+    layer = _layer(SiluAndMulLinear, 64, 2 * 96, bias=False, dtype=torch.bfloat16)
+    assert not layer.packed.gate_up  # int8 has no fused epilogue: SiLU * up after the matmul
+    x = torch.randn(m, 64).to(torch.bfloat16)
+    gate, up = (x.float() @ _dequantized(layer).T).chunk(2, dim=-1)
+    ref = torch.nn.functional.silu(gate) * up
+    out = layer(x)
+    assert out.shape == (m, 96)
+    assert (out.float() - ref).abs().max().item() <= 1.5e-2 * ref.abs().max().item()
+
+
+# --- the default model ---------------------------------------------------------------------------
+
+MAX_TOKENS = 32
+TOP_K = 5
+MIN_AGREEING = 10  # of 12 prompts
+
+PROMPTS = [
+    "Water boils at",
+    "The capital of Japan is",
+    "Q: How many legs does a spider have?\nA:",
+    "def fibonacci(n):\n",
+    "The three primary colours are",
+    "Once upon a time, in a small village by the sea,",
+    "To make a cup of tea, first",
+    "The main difference between a virus and a bacterium is",
+    "Here is a list of five fruits:\n1.",
+    "The French Revolution began in",
+    "Photosynthesis is the process by which",
+    "import numpy as np\n\n# Compute the mean of an array\n",
+]
+
+TEXT = (
+    "The lighthouse stood on a rock a mile from the shore, and for most of the year the keeper "
+    "saw nobody but the men who brought his oil and flour once a fortnight. He kept a diary, "
+    "which is how we know what his days were like. He rose before dawn to put out the lamp and "
+    "trim the wick, then polished the great lens until not a single smear remained on its "
+    "glass. In the afternoons he mended nets, painted the iron railings against the salt, and "
+    "wrote down the weather every three hours: the wind, the height of the waves, how far he "
+    "could see. On clear nights he counted the ships that passed, and on foggy ones he wound "
+    "the clockwork of the horn every half hour until morning.\n\n"
+    "A good map leaves things out. If it showed every tree, fence and puddle it would be as "
+    "large and as confusing as the land itself, so the mapmaker chooses what matters for the "
+    "people who will use it. A walker needs paths, streams and the shape of the hills; a driver "
+    "needs roads and the towns they join; a sailor needs the depth of the water and the rocks "
+    "beneath it. The same valley can therefore be drawn in many honest ways, each of them "
+    "correct and none of them complete.\n\n"
+    "Bees find their way home using the sun. A worker that has found a field of flowers returns "
+    "to the hive and dances on the comb, running in a straight line while shaking her body, then "
+    "circling back to run again. The angle of the straight run, measured from the vertical, "
+    "tells the other bees the direction of the flowers relative to the sun, and the length of "
+    "the run tells them how far away they are. Because the sun moves across the sky, the bees "
+    "must adjust the angle as the day goes on, and they do.\n\n"
+    "When you borrow money from a bank, you pay interest: a share of the loan for each year "
+    "that you keep it. With compound interest, the interest that is not paid is added to the "
+    "loan, and next year's interest is charged on the larger sum. Over a few years the "
+    "difference is small, but over decades it grows quickly, which is why a debt that seems "
+    "modest can double in size if it is left alone for long enough."
+)
+
+
+@pytest.fixture(scope="module")
+def int8_llm():
+    llm = LLM(quantization="int8", kv_cache_space_gib=0.25, swap_space=0.05)
+    yield llm
+    del llm
+
+
+def test_the_int8_model_holds_int8_matmul_weights_and_a_plain_embedding(int8_llm):
+    model = int8_llm.llm_engine.executor.worker.model_runner.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed.kind == "int8" and m.packed.data.dtype == torch.int8
+                           and m.weight.device.type == "meta" for m in linears)
+    embed = model.model.embed_tokens.weight
+    assert embed.device.type == "cpu" and embed.dtype == model.dtype
+    if model.tie_word_embeddings:
+        assert model.lm_head_packed.kind == "int8"
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+def test_int8_greedy_tokens_agree_with_the_unquantized_model(llm, int8_llm):
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=TOP_K,
+                            ignore_eos=True)
+    ref = llm.generate(PROMPTS, params, use_tqdm=False)
+    out = int8_llm.generate(PROMPTS, params, use_tqdm=False)
+    agreeing, lines = 0, []
+    for i, (a, b) in enumerate(zip(ref, out)):
+        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
+        assert len(ta) == len(tb) == MAX_TOKENS
+        pos = first_difference(ta, tb)
+        if pos is None:
+            agreeing += 1
+            continue
+        # Each side's logprobs at pos hold its top-5 (and its sampled token).
+        top_a, top_b = (sorted(lp, key=lp.get, reverse=True)[:TOP_K]
+                        for lp in (a.outputs[0].logprobs[pos], b.outputs[0].logprobs[pos]))
+        near_tie = ta[pos] in top_b and tb[pos] in top_a
+        agreeing += near_tie
+        lines.append(f"prompt {i}, position {pos}: unquantized {ta[pos]} top-5 {top_a}, int8 "
+                     f"{tb[pos]} top-5 {top_b} ({'near-tie' if near_tie else 'DIVERGED'})")
+    print(f"\nint8 vs unquantized: {agreeing}/{len(PROMPTS)} agree over {MAX_TOKENS} tokens, "
+          f"{len(lines)} differ")
+    for line in lines:
+        print("  ", line)
+    assert agreeing >= MIN_AGREEING, "\n".join(lines)
+
+
+def perplexity(llm: LLM, token_ids: list[int]) -> float:
+    """exp of the mean negative log-likelihood of every token after the first."""
+    out = llm.generate(prompt_token_ids=[token_ids], use_tqdm=False,
+                       sampling_params=SamplingParams(prompt_logprobs=1, max_tokens=1))[0]
+    nll = [-lp[t] for t, lp in zip(token_ids[1:], out.prompt_logprobs[1:])]
+    return math.exp(sum(nll) / len(nll))
+
+
+def test_int8_perplexity_is_within_two_percent_of_the_unquantized_model(llm, int8_llm, tokenizer):
+    token_ids = tokenizer.encode(TEXT)
+    assert len(token_ids) >= 300, len(token_ids)
+    ref, q = perplexity(llm, token_ids), perplexity(int8_llm, token_ids)
+    print(f"\nperplexity over {len(token_ids)} tokens: unquantized {ref:.4f}, int8 {q:.4f} "
+          f"({100 * (q / ref - 1):+.2f}%)")
+    assert abs(q / ref - 1) <= 0.02
