@@ -12,8 +12,9 @@
   same at 1-2048 tokens. oneDNN's fp32 packing is slower on prompt-sized batches, so only the
   LM head, which only ever sees the sampled rows, is packed in fp32 (1.3x).
 The AMX-packed and fp32 weights live on huge pages (services/worker/host_memory.py).
-- `--quantization int8` (any dtype, on the CPU): int8 rows and per-row scales for torch's
-  weight-only int8 kernel (services/worker/models/int8.py); the gate/up SiLU runs after it.
+- `--quantization int8` (any dtype, on the CPU): int8 rows and per-row scales, multiplied by
+  torch's weight-only int8 kernel, or on prompts through a dequantized temporary
+  (services/worker/models/int8.py); the gate/up SiLU runs after the matmul.
 Elsewhere (GPU, fp16) weights stay as loaded and F.linear runs. A packed weight's plain copy is
 dropped (`drop_plain_weight`): only its shape and dtype remain.
 """
