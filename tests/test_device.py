@@ -82,6 +82,6 @@ def test_layers_whose_weights_are_not_packed_never_build_the_cpu_kernels(monkeyp
     monkeypatch.setattr(cpu_kernels, "layer_blocks_available", must_not_run)
     unpacked = types.SimpleNamespace(packed=None)
     layer = types.SimpleNamespace(
-        self_attn=types.SimpleNamespace(qkv_proj=unpacked, o_proj=unpacked),
+        self_attn=types.SimpleNamespace(qkv_proj=unpacked, o_proj=unpacked, group=None),
         mlp=types.SimpleNamespace(gate_up_proj=unpacked, down_proj=unpacked))
     assert LlamaDecoderLayer.blocks_ready(layer) is False
