@@ -9,7 +9,6 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from proto.messages import (ExecuteModelRequest, PromptLogprobs, SamplerOutput, SequenceData,
@@ -26,6 +25,7 @@ from shared.tensor_parallel import TensorParallelShard, shard_for
 from services.worker.sampler import Sampler, compute_prompt_logprobs
 from services.worker.sampling_metadata import SamplingRow, SamplingTensors
 from services.worker.staging import StagingBuffer
+from services.worker.step_inputs import prepare_inputs
 
 
 @dataclass
@@ -153,7 +153,7 @@ class ModelRunner:
         out = SamplerOutput(step_id=request.step_id)
         if not rows:
             return out
-        input_ids, positions, meta = self._prepare_inputs(rows)
+        input_ids, positions, meta = prepare_inputs(rows, self.block_size, self.staging)
         forward = self.model if self.decode_graphs is None else self.decode_graphs
         hidden = forward(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
 
@@ -186,63 +186,6 @@ class ModelRunner:
                     f"but the worker holds {len(state.token_ids)} tokens")
                 (decodes if row.num_tokens == 1 else prefills).append(row)
         return prefills + decodes
-
-    def _prepare_inputs(self, rows: list[_Row]):
-        bs = self.block_size
-        num_prefills = sum(1 for r in rows if r.num_tokens > 1)
-        tokens, positions, slots = [], [], []
-        seq_lens, query_lens = [], []
-        max_blocks = 0
-        for row in rows:
-            end = row.start + row.num_tokens
-            table = row.state.block_table
-            assert (end + bs - 1) // bs <= len(table), f"seq {row.seq.seq_id}: block table too short"
-            if row.num_tokens == 1:
-                tokens.append(row.state.token_ids[row.start])
-                positions.append(row.start)
-                slots.append(table[row.start // bs] * bs + row.start % bs)
-            else:
-                pos = np.arange(row.start, end)
-                tokens.extend(row.state.token_ids[row.start:end])
-                positions.append(pos)
-                slots.append(np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs)
-            seq_lens.append(end)
-            query_lens.append(row.num_tokens)
-            max_blocks = max(max_blocks, (end + bs - 1) // bs)
-        block_tables = np.zeros((len(rows), max_blocks), dtype=np.int64)
-        for i, row in enumerate(rows):
-            n = (seq_lens[i] + bs - 1) // bs
-            block_tables[i, :n] = row.state.block_table[:n]
-        positions = np.concatenate([np.atleast_1d(p) for p in positions]).astype(np.int64)
-        slots = np.concatenate([np.atleast_1d(s) for s in slots]).astype(np.int64)
-        query_start = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(query_lens, out=query_start[1:])
-        seq_lens_np = np.asarray(seq_lens, dtype=np.int64)
-        num_prefill_tokens = int(query_start[num_prefills])
-        arrays = {"input_ids": np.asarray(tokens, dtype=np.int64), "positions": positions,
-                  "slot_mapping": slots, "query_start_loc": query_start,
-                  "seq_lens": seq_lens_np, "context_lens": seq_lens_np - np.asarray(query_lens),
-                  "block_tables": block_tables}
-        if self.staging is not None:
-            t = self.staging.transfer(arrays)  # one copy for all of them
-        else:
-            t = {name: torch.from_numpy(a) for name, a in arrays.items()}  # no copy at all
-        meta = AttentionMetadata(
-            num_prefills=num_prefills,
-            num_prefill_tokens=num_prefill_tokens,
-            num_decode_tokens=len(tokens) - num_prefill_tokens,
-            slot_mapping=t["slot_mapping"],
-            query_start_loc=t["query_start_loc"],
-            seq_lens=t["seq_lens"],
-            context_lens=t["context_lens"],
-            block_tables=t["block_tables"],
-            max_query_len=max([q for q in query_lens if q > 1], default=1),
-            max_seq_len=max(seq_lens),
-            block_size=bs,
-            seq_lens_list=seq_lens,
-            query_lens_list=query_lens,
-        )
-        return t["input_ids"], t["positions"], meta
 
     def _sample(self, rows: list[_Row], hidden: torch.Tensor, out: SamplerOutput) -> None:
         # [num_rows, vocab], the model's dtype; None on a tensor-parallel follower.
