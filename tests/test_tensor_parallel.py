@@ -137,3 +137,17 @@ def test_served_on_two_ranks_and_recovered_when_one_is_killed(tp_stack, one_rank
     pids_after = tp_stack.pids()
     assert pids_after["worker-0"] != pids_before["worker-0"]  # the whole group was rebuilt
     assert pids_after["worker-1"] != pids_before["worker-1"]
+
+
+def test_killing_rank_0_while_idle_rebuilds_the_group(tp_stack, one_rank):
+    """The leader dies with no step running: the follower, waiting for its next frame, sees
+    the group break and exits; both come back and serve the same text."""
+    tp_stack.wait_healthy()
+    before = tp_stack.pids()
+    tp_stack.kill("worker", 0)
+    deadline = time.monotonic() + 60
+    while tp_stack.pids()["worker-1"] == before["worker-1"]:  # restarted by the launcher
+        assert time.monotonic() < deadline, "rank 1 outlived its leader by 60 s"
+        time.sleep(0.5)
+    tp_stack.wait_healthy()
+    assert complete_all(tp_stack) == [o.text for o in one_rank]
