@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from ops.bench import kernels, throughput
+from ops.bench import kernels, peers
 
 
 def test_bench_kernels_times_every_op_on_both_sides(tmp_path, capsys):
@@ -27,4 +27,4 @@ def test_bench_kernels_times_every_op_on_both_sides(tmp_path, capsys):
 
 def test_vllm_baseline_without_its_python_is_a_clear_error():
     with pytest.raises(SystemExit, match="--vllm-python"):
-        throughput.VllmPeer(None, None, 4, [[[1, 2]]])
+        peers.VllmPeer(None, None, 4, [[[1, 2]]])

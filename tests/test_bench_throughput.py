@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from ops.bench import throughput, workloads, yardstick
+from ops.bench import peers, throughput, workloads, yardstick
 
 
 def test_bench_throughput_runs_both_systems_repeatedly_and_reports_the_ratio(
@@ -256,11 +256,11 @@ def test_the_vllm_peer_takes_prompts_per_run_and_answers_on_its_pipe(tmp_path, m
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
     monkeypatch.setenv("FAKE_VLLM_LOG", str(log))
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
-    monkeypatch.setattr(throughput, "hf_folder_for", lambda model_config: "/models/stand-in")
+    monkeypatch.setattr(peers, "hf_folder_for", lambda model_config: "/models/stand-in")
     from shared.config import EngineArgs
     config = EngineArgs(max_model_len=64).create_engine_config()
     workloads = [[[5, 6, 7], [8, 9]], [[10, 11, 12, 13]]]
-    peer = throughput.VllmPeer(sys.executable, config, 4, workloads)
+    peer = peers.VllmPeer(sys.executable, config, 4, workloads)
     try:
         assert peer.report()["version"] == "0.0-stand-in" and peer.report()["startup_s"] >= 0
         runs = []
@@ -303,7 +303,7 @@ def test_a_stopped_peer_is_killed_with_its_children_at_close(monkeypatch):
     import subprocess
     code = "import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', " \
            "'import time; time.sleep(300)'])\ntime.sleep(300)"
-    peer = throughput.VllmPeer.__new__(throughput.VllmPeer)
+    peer = peers.VllmPeer.__new__(peers.VllmPeer)
     read_fd, write_fd = os.pipe()
     os.close(write_fd)
     peer.replies = os.fdopen(read_fd)
@@ -334,11 +334,11 @@ def test_a_vllm_peer_that_dies_at_start_is_a_clear_error(tmp_path, monkeypatch):
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("raise ImportError('no vLLM here')\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
-    monkeypatch.setattr(throughput, "hf_folder_for", lambda model_config: "/models/stand-in")
+    monkeypatch.setattr(peers, "hf_folder_for", lambda model_config: "/models/stand-in")
     from shared.config import EngineArgs
     config = EngineArgs(max_model_len=64).create_engine_config()
     with pytest.raises(SystemExit, match="vLLM baseline failed"):
-        throughput.VllmPeer(sys.executable, config, 4, [[[1, 2]]])
+        peers.VllmPeer(sys.executable, config, 4, [[[1, 2]]])
 
 
 def test_wait_until_idle_waits_for_a_busy_process_tree_to_go_quiet():

@@ -1,14 +1,15 @@
-"""`pagoda bench throughput | serve | kernels | parallel`."""
+"""`pagoda bench throughput | serve | kernels | parallel | latency`."""
 import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench", required=True)
-    from ops.bench import kernels, parallel, serve, throughput
+    from ops.bench import kernels, latency, parallel, serve, throughput
     throughput.add_arguments(sub.add_parser("throughput", help=throughput.__doc__.split("\n")[0]))
     serve.add_arguments(sub.add_parser("serve", help=serve.__doc__.split("\n")[0]))
     kernels.add_arguments(sub.add_parser("kernels", help=kernels.__doc__.split("\n")[0]))
     parallel.add_arguments(sub.add_parser("parallel", help=parallel.__doc__.split("\n")[0]))
+    latency.add_arguments(sub.add_parser("latency", help=latency.__doc__.split("\n")[0]))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -24,4 +25,7 @@ def run(args: argparse.Namespace) -> int:
     if args.bench == "parallel":
         from ops.bench import parallel
         return parallel.run(args)
+    if args.bench == "latency":
+        from ops.bench import latency
+        return latency.run(args)
     raise SystemExit(f"unknown benchmark {args.bench}")
