@@ -14,6 +14,7 @@ import structlog
 import torch
 
 from shared.model_source import ModelNotFoundError, ModelSource, resolve_model
+from shared.speculative import SpeculativeConfig, parse_speculative_config
 
 
 class ConfigError(ValueError):
@@ -52,6 +53,7 @@ class ModelConfig:
     max_model_len: int
     hf_config: object = field(repr=False)  # transformers.PretrainedConfig of the architecture
     # "int8": matmul weights kept as int8 with per-row scales (services/worker/models/int8.py)
+    # "gguf": a GGUF file's blocks kept packed (services/worker/models/gguf_weights.py)
     quantization: str | None = None
 
     @property
@@ -121,6 +123,7 @@ class PagodaConfig:
     parallel_config: ParallelConfig
     device_config: DeviceConfig
     load_config: LoadConfig
+    speculative_config: SpeculativeConfig | None = None  # None: one token per step
 
 
 def load_hf_config(source: ModelSource):
@@ -176,8 +179,17 @@ class EngineArgs:
     load_format: str = "auto"
     quantization: str | None = field(default=None, metadata={"help": (
         "int8: matmul weights stored as int8 with one scale per output channel and converted "
-        "inside the matmul (weight-only; activations stay in --dtype); CPU only. Default: "
-        "weights as loaded")})
+        "inside the matmul (weight-only; activations stay in --dtype); w8a8: the same weights, "
+        "and each row of activations quantized to int8 at every matmul (int8 products, summed "
+        "in int32); gguf: a GGUF file's Q8_0 / Q4_0 / Q4_1 blocks kept as they are and "
+        "dequantized inside the matmul (other types requantized to Q8_0); auto: gguf for a "
+        "GGUF file, else none; CPU only. Default: weights as loaded (a GGUF file dequantized "
+        "to --dtype)")})
+    speculative_config: str | dict | None = field(default=None, metadata={"help": (
+        "speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}, or {\"model\": \"/path/to/draft\", "
+        "\"num_speculative_tokens\": 4}; \"disable_by_batch_size\": N turns it off for steps "
+        "with more than N decoding sequences (default 8). Default: off")})
 
     def create_engine_config(self) -> PagodaConfig:
         self._check_types()
@@ -220,6 +232,7 @@ class EngineArgs:
         if self.preemption_mode == "swap" and self.swap_space <= 0:
             raise ConfigError("swap_space", "preemption_mode 'swap' needs swap_space > 0")
         self._check_tensor_parallel(hf_config, device)
+        speculative = self._speculative(hf_config)
         if self.data_parallel_size < 1:
             raise ConfigError("data_parallel_size",
                               f"must be at least 1, got {self.data_parallel_size}")
@@ -230,10 +243,13 @@ class EngineArgs:
             raise ConfigError("attention_backend", f"'cpu' needs the cpu device, not {device}")
         if self.load_format not in ("auto", "safetensors", "gguf"):
             raise ConfigError("load_format", f"must be auto, safetensors or gguf, got {self.load_format!r}")
-        if self.quantization is not None and self.quantization != "int8":
-            raise ConfigError("quantization", f"must be int8 or unset, got {self.quantization!r}")
-        if self.quantization is not None and device.type != "cpu":
-            raise ConfigError("quantization", f"{self.quantization!r} runs on the cpu device "
+        if self.quantization is not None and self.quantization not in ("int8", "w8a8", "gguf",
+                                                                       "auto"):
+            raise ConfigError("quantization", f"must be int8, w8a8, gguf, auto or unset, got "
+                                              f"{self.quantization!r}")
+        quantization = self._quantization(source)
+        if quantization is not None and device.type != "cpu":
+            raise ConfigError("quantization", f"{quantization!r} runs on the cpu device "
                                               f"only, not {device}")
         max_batched = self.max_num_batched_tokens
         if max_batched is None:
@@ -253,7 +269,7 @@ class EngineArgs:
             model_config=ModelConfig(
                 source=source, tokenizer=self.tokenizer or source.path, dtype=dtype,
                 seed=self.seed, max_model_len=max_model_len, hf_config=hf_config,
-                quantization=self.quantization),
+                quantization=quantization),
             cache_config=CacheConfig(
                 block_size=self.block_size, gpu_memory_utilization=gpu_memory_utilization,
                 kv_cache_space_gib=kv_cache_space_gib, swap_space_gib=self.swap_space,
@@ -267,7 +283,37 @@ class EngineArgs:
             device_config=DeviceConfig(device=device, attention_backend=self.attention_backend,
                                        enforce_eager=self.enforce_eager),
             load_config=LoadConfig(load_format=self.load_format),
+            speculative_config=speculative,
         )
+
+    def _speculative(self, hf_config) -> SpeculativeConfig | None:
+        spec = parse_speculative_config(self.speculative_config)
+        if spec is None:
+            return None
+        if self.tensor_parallel_size > 1:
+            raise ConfigError("speculative_config", "does not run with tensor_parallel_size > 1 "
+                                                    "yet")
+        if spec.method == "draft_model":
+            try:
+                resolve_model(spec.model)
+            except ModelNotFoundError as e:
+                raise ConfigError("speculative_config", f"draft model: {e}") from None
+        return spec
+
+    def _quantization(self, source: ModelSource) -> str | None:
+        """The quantization to run: "auto" is gguf for a GGUF file (weights kept packed), none
+        for a Hugging Face folder."""
+        quantization = self.quantization
+        if quantization == "auto":
+            quantization = "gguf" if source.gguf_file else None
+        if quantization == "gguf":
+            if not source.gguf_file:
+                raise ConfigError("quantization", f"'gguf' needs a .gguf model file, got the "
+                                                  f"folder {source.path}")
+            if self.tensor_parallel_size > 1:
+                raise ConfigError("quantization", "'gguf' does not run with "
+                                                  "tensor_parallel_size > 1 yet")
+        return quantization
 
     def _check_tensor_parallel(self, hf_config, device: torch.device) -> None:
         """The model splits over that many ranks (shared/tensor_parallel.py), and on CUDA
@@ -288,6 +334,8 @@ class EngineArgs:
             value = getattr(self, f.name)
             if value is None and "None" in str(f.type):
                 continue
+            if f.name == "speculative_config" and isinstance(value, dict):
+                continue  # the offline LLM's form; parse_speculative_config checks it
             if f.type is bool:
                 ok, expected = isinstance(value, bool), "true or false"
             elif _cli_type(f.type) is float:

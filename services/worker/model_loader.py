@@ -1,6 +1,6 @@
 """Builds the model on its device and fills it from a Hugging Face folder (safetensors) or a
-GGUF file (dequantized with transformers' own GGUF reader, which also undoes llama.cpp's q/k
-row permutation)."""
+GGUF file (services/worker/models/gguf_load.py: read tensor by tensor, dequantized to the
+model's dtype, or with `--quantization gguf` kept packed)."""
 import glob
 import json
 import os
@@ -13,8 +13,12 @@ from tqdm import tqdm
 from shared.config import LoadConfig, ModelConfig, load_hf_config
 from shared.model_source import ModelSource
 from services.worker.attention.base import AttentionBackend
+from services.worker.models.gguf_load import GGUFFile, load_packed
 from services.worker.models.llama import LlamaForCausalLM
+from shared.logging import get_logger
 from shared.tensor_parallel import TensorParallelShard
+
+log = get_logger("worker")
 
 
 def load_model(model_config: ModelConfig, load_config: LoadConfig, device: torch.device,
@@ -25,8 +29,16 @@ def load_model(model_config: ModelConfig, load_config: LoadConfig, device: torch
     with torch.device(device):
         model = LlamaForCausalLM(model_config.hf_config, attn_backend, model_config.dtype,
                                  shard, group)
-    model.load_weights(iter_weights(model_config.source, load_config.load_format,
-                                    model_config.hf_config))
+    source = model_config.source
+    if model_config.quantization == "gguf":
+        if not os.path.isfile(source.path):
+            raise FileNotFoundError(f"GGUF file {source.path} does not exist")
+        load_packed(model, source.path, model_config.hf_config)
+    else:
+        if source.gguf_file and device.type == "cpu":
+            log.info("gguf weights dequantized to the model dtype; --quantization gguf keeps "
+                     "them packed", dtype=str(model_config.dtype).removeprefix("torch."))
+        model.load_weights(iter_weights(source, load_config.load_format, model_config.hf_config))
     model.pack_weights(model_config.quantization)
     return model.eval()
 
@@ -82,29 +94,5 @@ def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _iter_gguf(path: str, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
-    from transformers import AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-    # transformers maps GGUF tensor names through a model's parameter names; a skeleton on the
-    # meta device gives those names without allocating memory.
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(hf_config)
-    names = _ParameterNames(hf_config, list(skeleton.state_dict()))
-    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=names)["tensors"]
-    for name in list(tensors):
-        yield name, tensors.pop(name)  # pop: free each dequantized tensor once copied
-
-
-class _ParameterNames:
-    """What transformers' GGUF reader asks of `model_to_load`: the config and the parameter
-    names. Handing it the skeleton itself would make it rebuild gguf's name table for each of
-    its ~400 submodules (seconds), all to find names the top level already maps."""
-
-    def __init__(self, config, names: list[str]):
-        self.config = config
-        self._names = names
-
-    def state_dict(self) -> dict[str, None]:
-        return dict.fromkeys(self._names)
-
-    def named_children(self) -> list:
-        return []
+    """Each tensor dequantized to fp32 as it is read: one at a time in memory."""
+    yield from GGUFFile(path, hf_config).iter_dequantized()

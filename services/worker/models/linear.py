@@ -12,9 +12,12 @@
   same at 1-2048 tokens. oneDNN's fp32 packing is slower on prompt-sized batches, so only the
   LM head, which only ever sees the sampled rows, is packed in fp32 (1.3x).
 The AMX-packed and fp32 weights live on huge pages (services/worker/host_memory.py).
-- `--quantization int8` (any dtype, on the CPU): int8 rows and per-row scales, multiplied by
-  torch's weight-only int8 kernel, or on prompts through a dequantized temporary
-  (services/worker/models/int8.py); the gate/up SiLU runs after the matmul.
+- `--quantization int8` / `w8a8` (any dtype, on the CPU): int8 weights and per-row scales in
+  the panels of kernels/cpu/matmul_int8.c, weight-only or with activations quantized per row
+  (services/worker/models/int8.py); the gate/up SiLU * up in the kernel's epilogue.
+- `--quantization gguf` (a GGUF file, on the CPU): the file's Q8_0 / Q4_0 / Q4_1 blocks, packed
+  as they are loaded (services/worker/models/gguf_load.py) and multiplied by
+  kernels/cpu/matmul_gguf.c (services/worker/models/gguf_weights.py).
 Elsewhere (GPU, fp16) weights stay as loaded and F.linear runs. A packed weight's plain copy is
 dropped (`drop_plain_weight`): only its shape and dtype remain.
 """
@@ -26,18 +29,21 @@ from torch import nn
 
 from kernels import cpu as cpu_kernels
 from services.worker.host_memory import host_copy, host_empty
-from services.worker.models.int8 import int8_linear, quantize_int8
+from services.worker.models.gguf_weights import GGUFWeight, gguf_linear
+from services.worker.models.int8 import QUANTIZATIONS, int8_linear, quantize_weight
 
 
 @dataclass
 class PackedWeight:
     """A weight [out_features, in_features] rearranged for one kernel."""
     kind: str  # "amx": kernels.cpu.amx_linear; "onednn": torch.ops.mkldnn._linear_pointwise;
-    # "int8": torch._weight_int8pack_mm (data int8, `scale` per row)
+    # "int8" / "w8a8": services/worker/models/int8.py (data int8, `scale` fp32 per row)
     data: torch.Tensor
     out_features: int
     gate_up: bool = False  # [gate; up] packed so that the matmul returns SiLU(gate) * up
     scale: torch.Tensor | None = None
+    weight_sums: torch.Tensor | None = None  # w8a8: each row's sum of q, int32
+    gguf: GGUFWeight | None = None  # "gguf": the blocks (models/gguf_weights.py)
 
 
 def _onednn(dtype: torch.dtype) -> bool:
@@ -56,11 +62,11 @@ def pack_weight(weight: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.b
     """The weight [out, in] packed for the fastest kernel that takes it, if its dtype is one of
     `dtypes` and it is on the CPU; None otherwise. `gate_up` asks for the fused SiLU(gate) * up
     where the kernel has it (see `PackedWeight.gate_up` for whether it was given).
-    `quantization="int8"` quantizes a CPU weight of any dtype instead."""
+    `quantization="int8"` or `"w8a8"` quantizes a CPU weight of any dtype instead."""
     out_features = weight.shape[0]
-    if quantization == "int8" and weight.device.type == "cpu":
-        q, scale = quantize_int8(weight)
-        return PackedWeight("int8", q, out_features, scale=scale)
+    if quantization in QUANTIZATIONS and weight.device.type == "cpu":
+        data, scale, sums, fused = quantize_weight(weight, gate_up, quantization == "w8a8")
+        return PackedWeight(quantization, data, out_features, fused, scale, sums)
     if weight.device.type != "cpu" or weight.dtype not in dtypes:
         return None
     # On huge pages: a step streams it from memory (services/worker/host_memory.py).
@@ -87,8 +93,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         return F.linear(x, weight, bias)
     if packed.kind == "amx":
         return cpu_kernels.amx_linear(x, packed.data, bias, packed.out_features, packed.gate_up)
-    if packed.kind == "int8":
-        return int8_linear(x, packed.data, packed.scale, bias)
+    if packed.kind == "gguf":
+        return gguf_linear(x, packed.gguf, bias)
+    if packed.kind in QUANTIZATIONS:
+        return int8_linear(x, packed.data, packed.scale, packed.weight_sums, bias,
+                           packed.out_features, packed.gate_up, packed.kind == "w8a8")
     return torch.ops.mkldnn._linear_pointwise(x, packed.data, bias, "none", [], "")
 
 

@@ -21,6 +21,7 @@ from torch import nn
 
 from kernels import cpu as cpu_kernels
 from services.worker.attention.base import AttentionBackend, AttentionMetadata
+from services.worker.models.gguf_weights import GGUFWeight, gguf_embedding
 from services.worker.models.linear import (Linear, PackedWeight, SiluAndMulLinear, linear,
                                            pack_weight)
 from services.worker.models.rope import rope_inv_freq
@@ -58,8 +59,11 @@ class Embedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(vocab[1] - vocab[0], embedding_dim, dtype=dtype),
                                    requires_grad=False)
         self.group = group
+        self.packed: GGUFWeight | None = None  # --quantization gguf: rows dequantized on lookup
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:  # one rank only (config refuses gguf under TP)
+            return gguf_embedding(input_ids, self.packed, self.weight.dtype)
         if self.group is None:
             return F.embedding(input_ids, self.weight)
         held = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
@@ -354,8 +358,11 @@ class LlamaForCausalLM(nn.Module):
     def pack_weights(self, quantization: str | None = None) -> None:
         """After loading: prepare every matmul weight for the device's fastest kernel. The head
         is the largest matmul and is packed in fp32 too (a copy of the embedding, when tied).
-        `quantization="int8"`: every matmul weight, the head included, as int8 rows and scales,
-        one tensor at a time; a tied embedding table itself stays as loaded."""
+        `quantization="int8"` or `"w8a8"`: every matmul weight, the head included, as int8 rows
+        and scales, one tensor at a time; a tied embedding table itself stays as loaded."""
+        if quantization == "gguf":  # packed as loaded (services/worker/models/gguf_load.py)
+            self.packed = True
+            return
         head_dtypes = (torch.bfloat16, torch.float32)
         for name, module in self.named_modules():
             if isinstance(module, Linear):
