@@ -1,56 +1,71 @@
-"""Weight-only int8 (`--quantization int8`, services/worker/models/int8.py): the layers against a
-dequantized reference, then the default model in int8 against the same model unquantized
-(the session `llm`, default dtype): greedy tokens up to near-ties, and perplexity on a text."""
+"""int8 weights (`--quantization int8`, weight-only, and `w8a8`, activations quantized per row
+too; services/worker/models/int8.py): the layers against a dequantized reference, then the
+default model in each mode against the same model unquantized (the session `llm`, default
+dtype): greedy tokens up to near-ties, and perplexity on a text. The kernels' own paths and
+shapes: tests/test_int8_kernels.py."""
 import math
 
 import pytest
 import torch
 
 from pagoda import LLM, SamplingParams
-from services.worker.models.int8 import KERNEL_MAX_ROWS
+from services.worker.models.int8 import int8_rows
 from services.worker.models.linear import Linear, SiluAndMulLinear
 
 # (K, N): multiples and non-multiples of 16 and 64; K = 100 is the padded bf16 case.
 SHAPES = [(64, 64), (100, 33), (48, 100), (576, 1536)]
 
 
-def _layer(cls, k: int, n: int, bias: bool, dtype: torch.dtype) -> Linear:
+def _layer(cls, k: int, n: int, bias: bool, dtype: torch.dtype,
+           quantization: str = "int8") -> Linear:
     torch.manual_seed(k * 1000 + n)
     layer = cls(k, n, bias, dtype)
     # Rows of very different sizes, so that one scale for all would not do.
     layer.weight.copy_(torch.randn(n, k) * torch.logspace(-2, 0, n)[:, None])
     if bias:
         layer.bias.copy_(torch.randn(n))
-    layer.pack(quantization="int8")
+    layer.pack(quantization=quantization)
     return layer
 
 
-def _dequantized(layer: Linear) -> torch.Tensor:
-    """q * s[:, None] in fp32, without the padding columns."""
+def _q(layer: Linear) -> torch.Tensor:
     packed = layer.packed
-    k = layer.weight.shape[1]
-    return packed.data[:, :k].float() * packed.scale.float()[:, None]
+    return int8_rows(packed.data, packed.out_features, layer.weight.shape[1], packed.gate_up)
 
 
+def _dequantized(layer: Linear) -> torch.Tensor:
+    """q * s[:, None] in fp32."""
+    return _q(layer).float() * layer.packed.scale.float()[:, None]
+
+
+def _activations(x: torch.Tensor, quantization: str) -> torch.Tensor:
+    """x in fp32 as the matmul sees it: w8a8 rounds each row to int8 steps of its own scale."""
+    xf = x.float()
+    if quantization == "w8a8":
+        s = xf.abs().amax(dim=1, keepdim=True) / 127.0
+        xf = torch.round(xf * (1.0 / s)).clamp(-127, 127) * s
+    return xf
+
+
+@pytest.mark.parametrize("quantization", ["int8", "w8a8"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("k,n", SHAPES)
 @pytest.mark.parametrize("m", [1, 7, 64])
-def test_int8_linear_matches_the_dequantized_weight(m, k, n, dtype):
-    """Up to KERNEL_MAX_ROWS rows torch's int8 kernel, on bf16 activations; more rows a
-    dequantized temporary in the activation dtype and the dense matmul."""
-    layer = _layer(Linear, k, n, bias=(m != 1), dtype=dtype)
-    assert layer.packed.kind == "int8" and layer.packed.data.dtype == torch.int8
+def test_int8_linear_matches_the_dequantized_weight(m, k, n, dtype, quantization):
+    layer = _layer(Linear, k, n, bias=(m != 1), dtype=dtype, quantization=quantization)
+    assert layer.packed.kind == quantization and layer.packed.data.dtype == torch.int8
+    assert layer.packed.scale.dtype == torch.float32
     assert layer.weight.device.type == "meta"  # the plain weight is dropped
     x = torch.randn(m, k).to(dtype)
-    kernel = m <= KERNEL_MAX_ROWS
-    ref = (x.bfloat16() if kernel else x).float() @ _dequantized(layer).T
+    ref = _activations(x, quantization) @ _dequantized(layer).T
     if layer.bias is not None:
         ref += layer.bias.float()
     out = layer(x)
     assert out.dtype == dtype and out.shape == (m, n)
-    # bf16 anywhere: the output's (or the dequantized weight's) rounding, 2^-8 of its size.
-    exact = dtype == torch.float32 and not kernel
-    tol = (1e-5 if exact else 8e-3) * ref.abs().max().item()
+    # bf16: the output's rounding, 2^-8 of its size; fp32 w8a8: a q now and then one step off
+    # (x * (1 / s) against torch's rounding); fp32 weight-only: the summation order.
+    tol = (8e-3 if dtype == torch.bfloat16 else 1e-3 if quantization == "w8a8" else 1e-5)
+    tol *= ref.abs().max().item()
     err = (out.float() - ref).abs().max().item()
     assert err <= tol, f"max error {err:.3g} > {tol:.3g}"
 
@@ -63,20 +78,24 @@ def test_int8_rows_are_the_weight_to_half_a_step_of_their_own_scale(dtype):
     layer = Linear(100, 40, False, dtype)
     layer.weight.copy_(weight)
     layer.pack(quantization="int8")
-    q, s = layer.packed.data[:, :100], layer.packed.scale.float()
+    q, s = _q(layer), layer.packed.scale
     assert (q[5] == 0).all()
     assert (q.abs().amax(dim=1)[torch.arange(40) != 5] >= 126).all()  # each row uses its range
     err = (q.float() * s[:, None] - weight.float()).abs()
     assert (err <= 0.5 * s[:, None] * 1.01).all()
-    assert (layer.packed.data[:, 100:] == 0).all()  # padding columns, if any
+    # Whatever the layout pads with is zeros.
+    assert layer.packed.data.abs().sum() == q.abs().sum()
 
 
+@pytest.mark.parametrize("quantization", ["int8", "w8a8"])
 @pytest.mark.parametrize("m", [1, 7, 64])
-def test_int8_gate_up_applies_silu_gate_times_up(m):
-    layer = _layer(SiluAndMulLinear, 64, 2 * 96, bias=False, dtype=torch.bfloat16)
-    assert not layer.packed.gate_up  # int8 has no fused epilogue: SiLU * up after the matmul
+def test_int8_gate_up_applies_silu_gate_times_up(m, quantization):
+    layer = _layer(SiluAndMulLinear, 64, 2 * 96, bias=False, dtype=torch.bfloat16,
+                   quantization=quantization)
+    # The kernel's epilogue, where the C kernels run (else SiLU * up after the matmul).
+    assert layer.packed.gate_up == (layer.packed.data.dim() == 1)
     x = torch.randn(m, 64).to(torch.bfloat16)
-    gate, up = (x.float() @ _dequantized(layer).T).chunk(2, dim=-1)
+    gate, up = (_activations(x, quantization) @ _dequantized(layer).T).chunk(2, dim=-1)
     ref = torch.nn.functional.silu(gate) * up
     out = layer(x)
     assert out.shape == (m, 96)
@@ -133,22 +152,28 @@ TEXT = (
 )
 
 
-@pytest.fixture(scope="module")
-def int8_llm():
-    llm = LLM(quantization="int8", kv_cache_space_gib=0.25, swap_space=0.05)
+@pytest.fixture(scope="module", params=["int8", "w8a8"])
+def int8_llm(request):
+    """The default model in each mode, one at a time."""
+    llm = LLM(quantization=request.param, kv_cache_space_gib=0.25, swap_space=0.05)
     yield llm
     del llm
 
 
+def _mode(llm: LLM) -> str:
+    return llm.llm_engine.model_config.quantization
+
+
 def test_the_int8_model_holds_int8_matmul_weights_and_a_plain_embedding(int8_llm):
     model = int8_llm.llm_engine.executor.worker.model_runner.model
+    kind = _mode(int8_llm)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert linears and all(m.packed.kind == "int8" and m.packed.data.dtype == torch.int8
+    assert linears and all(m.packed.kind == kind and m.packed.data.dtype == torch.int8
                            and m.weight.device.type == "meta" for m in linears)
     embed = model.model.embed_tokens.weight
     assert embed.device.type == "cpu" and embed.dtype == model.dtype
     if model.tie_word_embeddings:
-        assert model.lm_head_packed.kind == "int8"
+        assert model.lm_head_packed.kind == kind
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -175,7 +200,8 @@ def test_int8_greedy_tokens_agree_with_the_unquantized_model(llm, int8_llm):
         agreeing += near_tie
         lines.append(f"prompt {i}, position {pos}: unquantized {ta[pos]} top-5 {top_a}, int8 "
                      f"{tb[pos]} top-5 {top_b} ({'near-tie' if near_tie else 'DIVERGED'})")
-    print(f"\nint8 vs unquantized: {agreeing}/{len(PROMPTS)} agree over {MAX_TOKENS} tokens, "
+    print(f"\n{_mode(int8_llm)} vs unquantized: {agreeing}/{len(PROMPTS)} agree over "
+          f"{MAX_TOKENS} tokens, "
           f"{len(lines)} differ")
     for line in lines:
         print("  ", line)
@@ -194,6 +220,7 @@ def test_int8_perplexity_is_within_two_percent_of_the_unquantized_model(llm, int
     token_ids = tokenizer.encode(TEXT)
     assert len(token_ids) >= 300, len(token_ids)
     ref, q = perplexity(llm, token_ids), perplexity(int8_llm, token_ids)
-    print(f"\nperplexity over {len(token_ids)} tokens: unquantized {ref:.4f}, int8 {q:.4f} "
+    print(f"\nperplexity over {len(token_ids)} tokens: unquantized {ref:.4f}, "
+          f"{_mode(int8_llm)} {q:.4f} "
           f"({100 * (q / ref - 1):+.2f}%)")
     assert abs(q / ref - 1) <= 0.02

@@ -1,62 +1,84 @@
-"""Weight-only int8 matmul weights (`--quantization int8`), for the CPU.
+"""int8 matmul weights for the CPU: `--quantization int8` (weight-only) and `--quantization w8a8`.
 
-Each weight [out, in] is kept as int8 `q` with one scale per output row, `s = max|w_row| / 127`
-(symmetric, no zero point, s rounded to bf16), so that w ~ q * s[:, None]; only q and s stay in
-memory (half of bf16, a quarter of fp32). Two ways to multiply, by the number of rows:
-- up to `KERNEL_MAX_ROWS` (decode steps): torch's weight-only int8 CPU kernel,
-  `torch._weight_int8pack_mm(x, q, s)`, which widens the int8 weights as it reads them. Only its
-  bf16 path is vectorised (fp32 ran 20-60x slower than the bf16 one, measured), so other
-  activations are rounded to bf16 for it and its output converted back;
-- more rows (prompts): the kernel's time grows with the rows (it streams the weight once per
-  few rows), so the weight is dequantized into a temporary of the activation dtype, which the
-  dense matmul then reads; at ~20 rows the two cost the same (measured, 576 x 1536, 2 threads).
-A bias is added after the product.
+Each weight [out, in] is kept as int8 `q` with one fp32 scale per output row,
+`s = max|w_row| / 127` (symmetric, no zero point), so that w ~ q * s[:, None]; only q (a
+quarter of fp32, half of bf16) and s stay in memory.
+- int8: activations keep their dtype; the kernel widens the weights as it reads them.
+- w8a8: each row of activations is quantized to int8 too (its own scale, max|x| / 127, at every
+  call), the products are summed in int32, and the output is acc * x_scale * w_scale.
+The kernels are kernels/cpu/matmul_int8.c: q is packed into its panels at load, and a gate/up
+weight gets SiLU(gate) * up in the kernel's epilogue. Without the C kernels (no compiler,
+PAGODA_CPU_KERNELS=0) q stays in rows and torch multiplies: a dequantized temporary
+(weight-only) or `torch._int_mm` (w8a8), SiLU * up after it. A bias is added in the activation
+dtype.
 """
 import torch
 import torch.nn.functional as F
 
-from services.worker.host_memory import host_copy
+from kernels import cpu as cpu_kernels
+from services.worker.host_memory import host_copy, host_empty
 
-KERNEL_MAX_ROWS = 20
-
-# torch 2.13's bf16 path of the kernel reads past the end of rows whose length is not a multiple
-# of 16 (a crash, not an error): such weights get zero columns up to it, and the kernel's inputs
-# are padded with zeros to match.
-_K_MULTIPLE = 16
+QUANTIZATIONS = ("int8", "w8a8")
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A CPU weight [out, in] -> (q [out, in'] int8, s [out] bf16), in' = in rounded up to a
-    multiple of 16 with zero columns. q is rounded against s as stored, so q * s is the weight
-    both ways of multiplying use."""
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [out, in] -> (q [out, in] int8, s [out] fp32): q = round(w / s) in [-127, 127]."""
     w = weight.detach().float()  # one tensor at a time: the only fp32 copy made
-    scale = (w.abs().amax(dim=1) / 127.0).bfloat16().float()
+    scale = w.abs().amax(dim=1) / 127.0
     # An all-zero row: any scale gives q = 0; 1 avoids 0 / 0.
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
     q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    del w
-    pad = -q.shape[1] % _K_MULTIPLE
-    if pad:
-        q = F.pad(q, (0, pad))
+    return q, scale.contiguous()
+
+
+def quantize_weight(weight: torch.Tensor, gate_up: bool, w8a8: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]:
+    """A CPU weight [out, in] -> (data, scale fp32 [out], weight sums int32 [out] for w8a8,
+    whether SiLU(gate) * up is fused). data is the kernel's panel layout (1-d), or q [out, in]
+    itself where the kernels do not run."""
+    q, scale = quantize_rows(weight)
+    sums = q.sum(dim=1, dtype=torch.int32) if w8a8 else None
+    if not cpu_kernels.int8_kernels_available():
+        return host_copy(q), scale, sums, False
+    fused = gate_up and q.shape[0] % 2 == 0
     # On huge pages, like the other packed weights: a step streams it from memory.
-    return host_copy(q), scale.bfloat16()
+    return cpu_kernels.pack_int8_weight(q, fused, empty=host_empty), scale, sums, fused
 
 
-def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
-                bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., in] (q * s[:, None])^T (+ b), in x's dtype."""
+def int8_rows(data: torch.Tensor, out_features: int, in_features: int,
+              gate_up: bool) -> torch.Tensor:
+    """q [out, in] int8 of a `quantize_weight` result (for references and tests)."""
+    if data.dim() == 2:
+        return data
+    return cpu_kernels.unpack_int8_weight(data, out_features, in_features, gate_up)
+
+
+def _quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    xf = x.float()
+    scale = xf.abs().amax(dim=1, keepdim=True) / 127.0
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    return torch.round(xf / scale).clamp_(-127, 127).to(torch.int8), scale
+
+
+def int8_linear(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
+                weight_sums: torch.Tensor | None, bias: torch.Tensor | None, out_features: int,
+                gate_up: bool, w8a8: bool) -> torch.Tensor:
+    """x [..., in] (q * s[:, None])^T (+ b) in x's dtype (w8a8: x quantized per row first);
+    SiLU(gate) * up of that for a fused `gate_up` weight."""
+    if data.dim() == 1 and x.dtype in (torch.bfloat16, torch.float32):
+        return cpu_kernels.int8_linear(x, data, scale, weight_sums, bias, out_features, gate_up,
+                                       w8a8)
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
-    if x2.shape[0] > KERNEL_MAX_ROWS:
-        weight = q[:, :k].to(x.dtype).mul_(scale.to(x.dtype)[:, None])
-        out = F.linear(x2, weight, bias)
+    q = int8_rows(data, out_features, k, gate_up)
+    if w8a8:
+        xq, xs = _quantize_activations(x2)
+        out = (torch._int_mm(xq, q.t()).float() * xs * scale).to(x.dtype)
     else:
-        xb = x2.to(torch.bfloat16)
-        if xb.stride(-1) != 1:
-            xb = xb.contiguous()  # the kernel reads rows with unit stride
-        if q.shape[1] != k:  # the zero columns of a padded weight
-            xb = F.pad(xb, (0, q.shape[1] - k))
-        out = torch._weight_int8pack_mm(xb, q, scale).to(x.dtype)
-        if bias is not None:
-            out += bias
+        out = x2 @ (q.to(x.dtype) * scale.to(x.dtype)[:, None]).t()
+    if bias is not None:
+        out += bias
+    if gate_up:
+        gate, up = out.chunk(2, dim=-1)
+        out = F.silu(gate) * up
     return out.view(*lead, out.shape[-1])
