@@ -51,6 +51,9 @@ class SequenceGroupMetadata:
     eos_token_ids: list[int] = field(default_factory=list)
     # Per-request random stream: with the same seed the same tokens come out, whatever the batch.
     seed: int = 0
+    # Speculative decoding: KV slots the engine reserved past this decode's token, so the worker
+    # may verify up to this many proposed tokens after it (0: an ordinary step).
+    num_lookahead_slots: int = 0
 
 
 @dataclass
@@ -61,6 +64,8 @@ class ExecuteModelRequest:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device
     finished_seq_ids: list[int] = field(default_factory=list)  # the worker drops their state
+    # The most proposals any group of this step may verify (speculative decoding; 0: none).
+    num_lookahead_slots: int = 0
 
 
 @dataclass
@@ -89,3 +94,9 @@ class SamplerOutput:
     top_logprobs: list[list[float]] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
     model_time_s: float = 0.0  # the forward pass and sampling, measured in the worker
+    # Speculative steps only (else empty), per entry: the tokens that follow token_ids[i] in
+    # this step (accepted proposals, then the target's own token), their raw logprobs, and how
+    # many tokens were proposed (accepted ones = len(extra_token_ids[i]), when any).
+    extra_token_ids: list[list[int]] = field(default_factory=list)
+    extra_logprobs: list[list[float]] = field(default_factory=list)
+    num_proposed: list[int] = field(default_factory=list)

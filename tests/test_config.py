@@ -161,6 +161,8 @@ INVALID = [
     ("load_format", dict(load_format="gguf")),  # the model is a safetensors folder
     ("quantization", dict(quantization="fp8")),
     ("quantization", dict(quantization="INT8")),
+    ("speculative_config", dict(speculative_config='{"method": "eagle", "num_speculative_tokens": 2}')),
+    ("speculative_config", dict(speculative_config={"method": "ngram", "num_speculative_tokens": 0})),
 ]
 
 
@@ -212,7 +214,8 @@ def test_every_field_round_trips_through_its_flag():
                       max_num_batched_tokens=2048, preemption_mode="swap",
                       tensor_parallel_size=2, data_parallel_size=2, device="cpu",
                       attention_backend="torch",
-                      enforce_eager=True, load_format="gguf", quantization="int8")
+                      enforce_eager=True, load_format="gguf", quantization="int8",
+                      speculative_config='{"method": "ngram", "num_speculative_tokens": 2}')
     assert all(getattr(args, f.name) != f.default for f in dataclasses.fields(args))
     parsed = EngineArgs.from_cli_args(parser().parse_args(to_argv(args)))
     assert parsed == args

@@ -188,6 +188,20 @@ class BlockManager:
             self.device_pool.register(table.blocks[i], digest)
             hashes.append(digest)
 
+    def free_lookahead(self, seq: Sequence) -> int:
+        """After a speculative step: drop the blocks past those that the sequence's tokens
+        need (slots reserved for proposals that were rejected). They were never full of known
+        tokens, so never cached. The worker drops the same entries of its table. Returns how
+        many blocks were freed."""
+        table = self._device_table(seq)
+        keep = _cdiv(len(seq), self.block_size)
+        extra = table.blocks[keep:]
+        for block in reversed(extra):
+            assert block.digest is None, f"lookahead block {block.block_id} is cached"
+            self.device_pool.free(block)
+        del table.blocks[keep:], table.block_ids[keep:]
+        return len(extra)
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         # The child caches its own later blocks, and after a recompute its prefix, in its salt's
         # namespace: it must be the parent's.

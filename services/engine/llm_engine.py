@@ -2,7 +2,7 @@
 import itertools
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 
@@ -20,6 +20,8 @@ from services.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from services.engine.stop_checker import check_stop
 
 log = structlog.get_logger("engine")
+
+_SPEC_LOG_S = 10.0  # how often the speculative decoding counters are logged, at most
 
 
 class PromptTooLongError(ValueError):
@@ -42,6 +44,30 @@ class EngineStats:
     num_steps: int
     total_prompt_tokens: int
     total_generation_tokens: int
+    spec_decode: "SpecDecodeStats | None" = None  # with speculative decoding on
+
+
+@dataclass
+class SpecDecodeStats:
+    """Speculative decoding since the engine started (vLLM's spec_decode_* counters)."""
+    num_drafts: int = 0  # sequence-steps that verified at least one proposal
+    num_draft_tokens: int = 0  # proposals verified
+    num_accepted_tokens: int = 0  # proposals accepted
+    # accepted_per_pos[j]: drafts whose proposal j (0-based) was accepted
+    accepted_per_pos: list[int] = field(default_factory=list)
+    num_steps_off: int = 0  # steps that decoded too many sequences to speculate
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a speculating sequence emits per step: its accepted proposals plus one."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def acceptance_rate_per_pos(self) -> list[float]:
+        return [a / self.num_drafts if self.num_drafts else 0.0 for a in self.accepted_per_pos]
 
 
 class LLMEngine:
@@ -62,7 +88,12 @@ class LLMEngine:
         self.executor.initialize_cache(num_device_blocks, num_cpu_blocks)
         config.cache_config.num_device_blocks = num_device_blocks
         config.cache_config.num_cpu_blocks = num_cpu_blocks
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config)
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config,
+                                   config.speculative_config)
+        spec = config.speculative_config
+        self.spec_stats = (SpecDecodeStats(accepted_per_pos=[0] * spec.num_speculative_tokens)
+                           if spec is not None else None)
+        self._spec_logged_at = time.monotonic()
         self.seq_counter = itertools.count()
         self.step_counter = itertools.count()
         self.rng = random.Random(self.model_config.seed)  # seeds for requests that give none
@@ -214,7 +245,8 @@ class LLMEngine:
         request = ExecuteModelRequest(
             step_id=next(self.step_counter), seq_group_metadata_list=metadata,
             blocks_to_swap_in=sched.blocks_to_swap_in, blocks_to_swap_out=sched.blocks_to_swap_out,
-            blocks_to_copy=sched.blocks_to_copy, finished_seq_ids=sched.finished_seq_ids)
+            blocks_to_copy=sched.blocks_to_copy, finished_seq_ids=sched.finished_seq_ids,
+            num_lookahead_slots=sched.num_lookahead_slots)
         return request, sched
 
     def _expect_samples(self, scheduled: ScheduledSequenceGroup) -> None:
@@ -280,6 +312,9 @@ class LLMEngine:
                 for target, i in pairs:
                     if not target.is_finished():
                         self._append_sample(group, target, result, i)
+            if scheduled.num_lookahead_slots:
+                for seq in group.get_seqs(SequenceStatus.RUNNING):
+                    self._release_lookahead(seq)
             if group.metrics.first_token_time is None:
                 group.metrics.first_token_time = now
             group.metrics.last_token_time = now
@@ -289,7 +324,19 @@ class LLMEngine:
             if group.is_finished():
                 group.metrics.finished_time = now
                 self._forget(group)
+        if self.spec_stats is not None and time.monotonic() - self._spec_logged_at > _SPEC_LOG_S:
+            self._log_spec_stats()
         return updated
+
+    def _log_spec_stats(self) -> None:
+        self._spec_logged_at = time.monotonic()
+        stats = self._spec_stats()
+        if stats.num_drafts:
+            log.info("speculative decoding", drafts=stats.num_drafts,
+                     acceptance_rate=round(stats.acceptance_rate, 3),
+                     mean_accepted_length=round(stats.mean_accepted_length, 2),
+                     acceptance_per_pos=[round(r, 3) for r in stats.acceptance_rate_per_pos()],
+                     steps_off=stats.num_steps_off)
 
     def _append_sample(self, group: SequenceGroup, seq: Sequence, result: SamplerOutput,
                        i: int) -> None:
@@ -300,6 +347,41 @@ class LLMEngine:
             top = dict(zip(result.top_token_ids[i], result.top_logprobs[i]))
             top[token] = result.logprobs[i]
         seq.fill_placeholder(token, result.logprobs[i], top)
+        self._check_token(group, seq, token)
+        if result.num_proposed and result.num_proposed[i]:
+            self._count_speculation(result.num_proposed[i], len(result.extra_token_ids[i]))
+        extra = result.extra_token_ids[i] if result.extra_token_ids else []
+        if extra:
+            # No step is scheduled behind a speculative one: nothing is in flight after these.
+            assert seq.num_placeholders == 0, f"seq {seq.seq_id}: placeholders after a speculation"
+            seq.num_computed_tokens += len(extra)  # accepted proposals: their KV is cached
+            for token, logprob in zip(extra, result.extra_logprobs[i]):
+                if seq.is_finished():
+                    break  # tokens after a stop are dropped
+                seq.token_ids.append(token)
+                seq.cumulative_logprob += logprob
+                self._check_token(group, seq, token)
+        if seq.is_finished():
+            seq.drop_placeholders()
+
+    def _release_lookahead(self, seq: Sequence) -> None:
+        """Free the blocks reserved for rejected proposals; the worker drops the same entries
+        of its block table, so what it holds of the table is what is left."""
+        bm = self.scheduler.block_manager
+        bm.free_lookahead(seq)
+        seq.num_blocks_sent = min(seq.num_blocks_sent, len(bm.get_block_table(seq)))
+
+    def _count_speculation(self, num_proposed: int, num_accepted: int) -> None:
+        stats = self.spec_stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += num_proposed
+        stats.num_accepted_tokens += num_accepted
+        for j in range(min(num_accepted, len(stats.accepted_per_pos))):
+            stats.accepted_per_pos[j] += 1
+
+    def _check_token(self, group: SequenceGroup, seq: Sequence, token: int) -> None:
+        """Count one new output token and check whether it ends the sequence."""
+        params = group.sampling_params
         self.total_generation_tokens += 1
         new_text_len = 0
         if params.stop and self.detokenize:
@@ -311,8 +393,6 @@ class LLMEngine:
             new_text_len = len(new_text)
         check_stop(seq, params, group.eos_token_ids, self.config.scheduler_config.max_model_len,
                    new_text_len)
-        if seq.is_finished():
-            seq.drop_placeholders()
 
     def _detokenizer(self, group: SequenceGroup) -> IncrementalDetokenizer:
         p = group.sampling_params
@@ -387,4 +467,11 @@ class LLMEngine:
             prefix_cache_hit_rate=s.block_manager.prefix_cache_hit_rate,
             num_preemptions=dict(s.num_preemptions), last_step_tokens=self.last_step_tokens,
             num_steps=self.num_steps, total_prompt_tokens=self.total_prompt_tokens,
-            total_generation_tokens=self.total_generation_tokens)
+            total_generation_tokens=self.total_generation_tokens,
+            spec_decode=self._spec_stats())
+
+    def _spec_stats(self) -> SpecDecodeStats | None:
+        if self.spec_stats is None:
+            return None
+        self.spec_stats.num_steps_off = self.scheduler.num_steps_speculation_off
+        return self.spec_stats

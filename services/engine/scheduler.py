@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from proto.messages import SequenceData, SequenceGroupMetadata
 from shared.config import CacheConfig, SchedulerConfig
+from shared.speculative import SpeculativeConfig, may_speculate
 from services.engine.block_manager import AllocStatus, BlockManager
 from services.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -21,6 +22,8 @@ class ScheduledSequenceGroup:
     token_chunk_size: int  # tokens computed for each of its running sequences
     is_prompt: bool
     do_sample: bool
+    # Speculative decoding: KV slots reserved past the decode's token for proposals to verify.
+    num_lookahead_slots: int = 0
 
 
 @dataclass
@@ -34,6 +37,7 @@ class SchedulerOutputs:
     ignored_seq_groups: list[SequenceGroup] = field(default_factory=list)
     finished_seq_ids: list[int] = field(default_factory=list)
     num_preempted: int = 0
+    num_lookahead_slots: int = 0  # the most any group has this step (0: it does not speculate)
 
     def is_empty(self) -> bool:
         return not self.scheduled_seq_groups and not self.blocks_to_swap_out
@@ -45,9 +49,12 @@ class _Budget:
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig):
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 speculative_config: SpeculativeConfig | None = None):
         self.config = scheduler_config
         self.cache_config = cache_config
+        self.speculative_config = speculative_config
+        self.num_steps_speculation_off = 0  # steps with too many decodes to speculate
         self.block_manager = self._new_block_manager()
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []
@@ -117,6 +124,8 @@ class Scheduler:
             self._schedule_swapped(out, budget)
             if not self.swapped:
                 self._schedule_waiting(out, budget, now)
+        if self.speculative_config is not None:
+            self._reserve_lookahead(out, budget)
         if not out.is_empty():  # else they wait for the next step that reaches the worker
             out.finished_seq_ids = self._finished_seq_ids
             self._finished_seq_ids = []
@@ -225,6 +234,47 @@ class Scheduler:
             self._schedule_group(group, seqs, chunk, out, budget)
             self.running.append(group)
 
+    def _reserve_lookahead(self, out: SchedulerOutputs, budget: _Budget) -> None:
+        """Speculative decoding: room for up to k proposals after each decode that may
+        speculate (blocks and batch budget permitting; never by preempting anything), unless
+        more sequences decode this step than `disable_by_batch_size`."""
+        spec = self.speculative_config
+        decodes = [s for s in out.scheduled_seq_groups
+                   if s.do_sample and not s.is_prompt and s.token_chunk_size == 1]
+        num_decoding = sum(len(s.seq_group.get_seqs(SequenceStatus.RUNNING)) for s in decodes)
+        if num_decoding == 0:
+            return
+        if num_decoding > spec.disable_by_batch_size:
+            self.num_steps_speculation_off += 1
+            return
+        bm = self.block_manager
+        for scheduled in decodes:
+            group = scheduled.seq_group
+            seqs = group.get_seqs(SequenceStatus.RUNNING)
+            if len(seqs) != 1:
+                continue
+            seq = seqs[0]
+            num_out = len(seq) - seq.prompt_len  # in-flight samples included
+            params = group.sampling_params
+            if not may_speculate(params, num_out):
+                continue
+            # The step emits at most k + 1 tokens: within max_tokens and max_model_len.
+            k = min(spec.num_speculative_tokens, self.config.max_model_len - len(seq) - 1,
+                    budget.tokens_left)
+            if params.max_tokens is not None:
+                k = min(k, params.max_tokens - num_out - 1)
+            if k <= 0:
+                continue
+            if (bm.get_num_free_device_blocks() - bm.num_blocks_to_append(seq, 1 + k)
+                    < bm.watermark_blocks):
+                continue
+            copies = bm.append_slots(seq, 1 + k)
+            assert not copies, "lookahead slots lie past every block the sequence shares"
+            scheduled.num_lookahead_slots = k
+            budget.tokens_left -= k
+            out.num_batched_tokens += k
+            out.num_lookahead_slots = max(out.num_lookahead_slots, k)
+
     def _can_append(self, seqs: list[Sequence], chunk: int) -> bool:
         bm = self.block_manager
         return sum(bm.num_blocks_to_append(s, chunk) for s in seqs) <= bm.get_num_free_device_blocks()
@@ -286,7 +336,8 @@ class Scheduler:
             token_chunk_size=scheduled.token_chunk_size, do_sample=scheduled.do_sample,
             prompt_len=group.prompt_len,
             sampling_params=group.sampling_params if send_params else None, seed=group.seed,
-            eos_token_ids=group.eos_token_ids if send_params else [])
+            eos_token_ids=group.eos_token_ids if send_params else [],
+            num_lookahead_slots=scheduled.num_lookahead_slots)
 
     # -- preemption ----------------------------------------------------------------------------
     def _preempt(self, group: SequenceGroup, out: SchedulerOutputs) -> None:

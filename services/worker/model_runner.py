@@ -21,6 +21,8 @@ from services.worker.grammar import SequenceMatcher, feed, new_matcher
 from services.worker.logit_edits import (allows_other_than, apply_allowed_token_ids,
                                           apply_logit_bias)
 from services.worker.model_loader import load_model
+from services.worker.ngram_proposer import NgramProposer
+from services.worker.rejection_sampler import rejection_sample
 from shared.tensor_parallel import TensorParallelShard, shard_for
 from services.worker.sampler import Sampler, compute_prompt_logprobs
 from services.worker.sampling_metadata import SamplingRow, SamplingTensors
@@ -63,6 +65,9 @@ class _Row:
     state: SequenceState
     start: int  # first position computed this step (== tokens already cached)
     num_tokens: int
+    # Speculative decoding: the tokens proposed after the decode's token, verified in this
+    # step (its num_tokens counts them); None for a row that does not speculate.
+    proposals: list[int] | None = None
 
 
 class ModelRunner:
@@ -94,6 +99,11 @@ class ModelRunner:
         # Structured output, set up when the first request that asks for it arrives.
         self.grammar_compiler = None  # GrammarCompilerPool
         self.grammar_masker = None  # GrammarMasker
+        # Speculative decoding's proposer (None: off).
+        spec = config.speculative_config
+        self.proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                       spec.prompt_lookup_max)
+                         if spec is not None and spec.method == "ngram" else None)
 
     def load_model(self) -> None:
         self.model = load_model(self.model_config, self.config.load_config, self.device,
@@ -160,9 +170,13 @@ class ModelRunner:
         # 1) Which hidden rows need logits: the last token of every sequence that samples, and
         #    every position of a prompt chunk whose request asked for prompt logprobs.
         sample_rows, sample_idx, prompt_lp_rows = [], [], []
+        spec_rows, spec_idx = [], []  # rows that verify proposals: logits at every position
         offset = 0
         for row in rows:
-            if row.group.do_sample:
+            if row.proposals:
+                spec_rows.append(row)
+                spec_idx.extend(range(offset, offset + row.num_tokens))
+            elif row.group.do_sample:
                 sample_rows.append(row)
                 sample_idx.append(offset + row.num_tokens - 1)
             if row.group.is_prompt and row.state.request.params.prompt_logprobs is not None:
@@ -170,13 +184,22 @@ class ModelRunner:
             offset += row.num_tokens
         if sample_rows:
             self._sample(rows=sample_rows, hidden=hidden[sample_idx], out=out)
+        if request.num_lookahead_slots:
+            # Entries of the rows that did not speculate: nothing after their token.
+            out.extra_token_ids = [[] for _ in out.seq_ids]
+            out.extra_logprobs = [[] for _ in out.seq_ids]
+            out.num_proposed = [0] * len(out.seq_ids)
+        if spec_rows:
+            self._verify(spec_rows, hidden[spec_idx], out)
+        if request.num_lookahead_slots:
+            self._drop_lookahead_blocks(rows)
         for row, start in prompt_lp_rows:
             self._prompt_logprobs(row, hidden[start:start + row.num_tokens], out)
         out.model_time_s = time.perf_counter() - t0
         return out
 
     def _plan_rows(self, groups: list[SequenceGroupMetadata]) -> list[_Row]:
-        prefills, decodes = [], []
+        prefills, verifies, decodes = [], [], []
         for group in groups:
             for sd in group.seq_data:
                 state = self.seqs[sd.seq_id]
@@ -184,8 +207,59 @@ class ModelRunner:
                 assert row.start + row.num_tokens <= len(state.token_ids), (
                     f"seq {sd.seq_id}: computing up to {row.start + row.num_tokens} "
                     f"but the worker holds {len(state.token_ids)} tokens")
-                (decodes if row.num_tokens == 1 else prefills).append(row)
-        return prefills + decodes
+                if group.num_lookahead_slots and self._propose(row, group.num_lookahead_slots):
+                    verifies.append(row)  # several tokens against the cache, as a prefill chunk
+                else:
+                    (decodes if row.num_tokens == 1 else prefills).append(row)
+        return prefills + verifies + decodes
+
+    def _propose(self, row: _Row, max_tokens: int) -> bool:
+        """Proposals after a decode's token, appended to the sequence (for this step's
+        inputs; `_verify` keeps the accepted ones). False when there are none."""
+        state = row.state
+        assert row.num_tokens == 1 and row.group.do_sample and row.start + 1 == len(
+            state.token_ids), f"seq {row.seq.seq_id}: lookahead slots on a row that is no decode"
+        if self.proposer is None:
+            return False
+        proposals = self.proposer.propose(state.token_ids, max_tokens)
+        if not proposals:
+            return False
+        row.proposals = proposals
+        row.num_tokens += len(proposals)
+        state.token_ids.extend(proposals)
+        return True
+
+    def _verify(self, rows: list[_Row], hidden: torch.Tensor, out: SamplerOutput) -> None:
+        """Accept or reject each row's proposals (rejection_sampler.py) and keep what they
+        emit: the accepted proposals and one token of the target's."""
+        logits = self.model.compute_logits(hidden)  # [sum(1 + proposals), vocab]
+        sampling_rows = []
+        for row in rows:
+            req = row.state.request
+            sampling_rows.append(SamplingRow(
+                params=req.params, seed=req.seed, sample_index=row.state.sample_index,
+                output_index=row.start + 1 - req.prompt_len, prompt_token_ids=[],
+                output_token_ids=[]))
+        verified = rejection_sample(logits, [r.proposals for r in rows], sampling_rows)
+        for row, tokens, logprobs in zip(rows, verified.token_ids, verified.logprobs):
+            del row.state.token_ids[row.start + 1:]
+            row.state.token_ids.extend(tokens)
+            out.seq_ids.append(row.seq.seq_id)
+            out.token_ids.append(tokens[0])
+            out.logprobs.append(logprobs[0])
+            out.top_token_ids.append([])
+            out.top_logprobs.append([])
+            out.extra_token_ids.append(tokens[1:])
+            out.extra_logprobs.append(logprobs[1:])
+            out.num_proposed.append(len(row.proposals))
+
+    def _drop_lookahead_blocks(self, rows: list[_Row]) -> None:
+        """The engine frees the blocks of a speculating sequence past those its tokens need
+        (BlockManager.free_lookahead); the block table here follows."""
+        bs = self.block_size
+        for row in rows:
+            if row.group.num_lookahead_slots:
+                del row.state.block_table[-(len(row.state.token_ids) // -bs):]
 
     def _sample(self, rows: list[_Row], hidden: torch.Tensor, out: SamplerOutput) -> None:
         # [num_rows, vocab], the model's dtype; None on a tensor-parallel follower.

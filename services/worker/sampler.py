@@ -89,6 +89,12 @@ def apply_penalties(logits: torch.Tensor, p: PenaltyTensors) -> torch.Tensor:
 def _sample_random(scores: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """Filtered, temperature-scaled draw for every row -> [N] int64 (greedy rows get a value
     the caller discards)."""
+    return exponential_race(filter_scores(scores, t), t)
+
+
+def filter_scores(scores: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Temperature, min-p, top-k and top-p: the logits ([N, V], new) of the distribution a row
+    draws from, filtered tokens at -inf (softmax of them is that distribution)."""
     x = scores / t.temperature[:, None]  # [N, V], a fresh tensor the filters may edit in place
     if t.min_p is not None:
         # p_i < min_p * p_max  <=>  x_i < x_max + log(min_p); log(0) = -inf cuts nothing.
@@ -100,7 +106,12 @@ def _sample_random(scores: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         x = _apply_top_k_top_p(x, t.top_k, t.max_top_k, t.top_p)
     elif t.top_k is not None:
         x = _apply_top_k(x, t.top_k, t.max_top_k)
+    return x
 
+
+def exponential_race(x: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """A draw from softmax(x) per row ([N, V] logits, -inf = excluded) -> [N] int64, with each
+    row's counter-based noise (seed, sample index, output index)."""
     # Exponential race: argmax p_i / E_i with E_i ~ Exp(1) draws i with probability p_i; in the
     # log domain the softmax normaliser drops out: argmax x_i - log E_i.
     keys = noise_keys(t.seeds, t.sample_indices, t.output_indices)
