@@ -233,3 +233,42 @@ def test_requests_that_need_per_position_logits_do_not_speculate(spec_llm):
     spec_llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=16,
                                                   presence_penalty=0.5), use_tqdm=False)
     assert engine.get_stats().spec_decode.num_drafts == before
+
+
+# -- through `pagoda serve` --------------------------------------------------------------------
+
+def test_served_stack_speculates_with_the_same_greedy_text_and_reports_it(llm, tmp_path):
+    """The engine service's step loop (no step kept in flight behind a speculative one), the
+    official openai client, and the acceptance counters in /metrics."""
+    import json
+    import re
+    import socket
+
+    import httpx
+    import openai
+
+    from ops.launcher import LocalStack
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    engine_args = {"kv_cache_space_gib": 0.25, "max_model_len": 1024,
+                   "speculative_config": json.dumps(NGRAM)}
+    prompts = PROMPTS[:4]
+    expected = [o.outputs[0].text for o in llm.generate(prompts, greedy(24), use_tqdm=False)]
+    with LocalStack(engine_args=engine_args, run_dir=str(tmp_path / "run"), port=port) as stack:
+        client = openai.OpenAI(base_url=stack.gateway_url + "/v1", api_key="none",
+                               max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        texts = [client.completions.create(model=model, prompt=p, max_tokens=24,
+                                           temperature=0).choices[0].text for p in prompts]
+        metrics = httpx.get(stack.gateway_url + "/metrics", timeout=30).text
+    assert texts == expected
+
+    def value(name: str) -> float:
+        found = re.search(rf"^{name}(?:_total)?{{[^}}]*}} (\S+)$", metrics, re.M)
+        assert found, f"{name} missing from /metrics"
+        return float(found.group(1))
+    assert value("vllm:spec_decode_num_drafts") > 0
+    assert 0 < value("vllm:spec_decode_num_accepted_tokens") <= value(
+        "vllm:spec_decode_num_draft_tokens")
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name=' in metrics

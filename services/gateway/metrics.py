@@ -57,6 +57,11 @@ VLLM_ALIASES = {
     "pagoda:request_params_max_tokens": ["vllm:request_params_max_tokens"],
     "pagoda:iteration_tokens_total": ["vllm:iteration_tokens_total"],
     "pagoda:cache_config_info": ["vllm:cache_config_info"],
+    "pagoda:spec_decode_num_drafts": ["vllm:spec_decode_num_drafts"],
+    "pagoda:spec_decode_num_draft_tokens": ["vllm:spec_decode_num_draft_tokens"],
+    "pagoda:spec_decode_num_accepted_tokens": ["vllm:spec_decode_num_accepted_tokens"],
+    "pagoda:spec_decode_num_accepted_tokens_per_pos": [
+        "vllm:spec_decode_num_accepted_tokens_per_pos"],
 }
 
 # Engine totals (health details) that are counters, so they come out as counter families.
@@ -65,7 +70,15 @@ _ENGINE_COUNTERS = {"pagoda:prefix_cache_queries": ("prefix_cache_queries",
                     "pagoda:prefix_cache_hits": ("prefix_cache_hits",
                                                  "Prompt tokens found in the prefix cache"),
                     "pagoda:preemptions": ("preemptions",
-                                                       "Preemptions since the engine started")}
+                                                       "Preemptions since the engine started"),
+                    # Speculative decoding (only when the engine runs it).
+                    "pagoda:spec_decode_num_drafts": (
+                        "spec_decode_num_drafts", "Sequence-steps that verified proposals"),
+                    "pagoda:spec_decode_num_draft_tokens": (
+                        "spec_decode_num_draft_tokens", "Proposed tokens verified"),
+                    "pagoda:spec_decode_num_accepted_tokens": (
+                        "spec_decode_num_accepted_tokens", "Proposed tokens accepted")}
+_ACCEPTED_PER_POS = "spec_decode_num_accepted_tokens_pos_"  # + position: a health detail each
 
 # service_up's services, and the health detail that counts each one's live processes.
 SERVICE_COUNTS = {"worker": "workers", "tokenizer": "tokenizers", "detokenizer": "detokenizers"}
@@ -97,6 +110,13 @@ class EngineTotals(Collector):
             if key in self.values:
                 family.add_metric([self.model_name], self.values[key])
             yield family
+        family = CounterMetricFamily("pagoda:spec_decode_num_accepted_tokens_per_pos",
+                                     "Proposed tokens accepted, by position in the proposal",
+                                     labels=["model_name", "position"])
+        for key, value in self.values.items():
+            if key.startswith(_ACCEPTED_PER_POS):
+                family.add_metric([self.model_name, key[len(_ACCEPTED_PER_POS):]], value)
+        yield family
 
 
 class VllmAliases(Collector):
@@ -273,6 +293,9 @@ class GatewayMetrics:
             return
         self.engine_totals.values = {key: details[key] for key, _ in _ENGINE_COUNTERS.values()
                                      if isinstance(details.get(key), (int, float))}
+        self.engine_totals.values.update(
+            {key: value for key, value in details.items()
+             if key.startswith(_ACCEPTED_PER_POS) and isinstance(value, (int, float))})
         if isinstance(details.get("device_blocks"), int):
             self.cache_config.clear()
             self.cache_config.labels(str(details["device_blocks"])).set(1)
