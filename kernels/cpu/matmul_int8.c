@@ -198,10 +198,12 @@ static void portable_weight_only(const float *xf, int64_t m, const int8_t *packe
     && defined(__AVX512VBMI__)
 #define HAVE_AVX512 1
 #include <immintrin.h>
+#include <omp.h>
 
 #include "avx512.h"
 
-#define FMA_ROWS 8   /* rows per pass of the weight-only FMA loop: 16 accumulators */
+#define FMA_ROWS 8     /* rows per pass of the weight-only FMA loop: 16 accumulators */
+#define STREAM_ROWS 3  /* up to this many rows, weight-only reads the int8 panel directly */
 #define VNNI_ROWS 8  /* rows per pass of the VNNI loop */
 
 static inline __mmask16 first_lanes(int count) { return (__mmask16)((1u << count) - 1u); }
@@ -264,38 +266,43 @@ static inline void prefetch_step(const int8_t *b, int r) {
                  _MM_HINT_T0);
 }
 
-/* Weight-only: rows [rows) of xf (fp32, kp apart) against panel p. The int8 tile row holds 16
- * columns x 4 k; a byte permutation makes it 4 k x 16 columns, each widened to fp32. */
-static inline __attribute__((always_inline)) void fma_rows(
-        const shape_t *s, int64_t p, const int8_t *panel, const float *xf, const int rows,
-        const float *ws, const void *bias, void *y, int64_t y_row_bytes, int prefetch) {
-    __m512 acc[FMA_ROWS][2];
-    for (int i = 0; i < rows; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+/* Weight-only: panel p widened to fp32, k-major: out[k][32] (tile 0's columns, then tile 1's).
+ * An int8 tile row is 16 columns x 4 k; a byte permutation makes it 4 k x 16 columns. */
+static void widen_panel_f32(const int8_t *panel, int64_t steps, float *out) {
     uint8_t order[64];
     for (int o = 0; o < 64; o++) order[o] = (uint8_t)((o % 16) * 4 + o / 16);
     const __m512i perm = _mm512_loadu_si512(order);
-    for (int64_t st = 0; st < s->steps; st++) {
-        const int8_t *b = panel + st * STEP_BYTES;
-        const float *xk = xf + st * KSTEP;
-        for (int r = 0; r < 16; r++) {
-            if (prefetch) prefetch_step(b, r);
-            const __m512i w0 = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(b + r * 64));
-            const __m512i w1 = _mm512_permutexvar_epi8(
-                perm, _mm512_loadu_si512(b + TILE_BYTES + r * 64));
-#define FMA_K(J)                                                                                 \
-            {                                                                                    \
-                const __m512 f0 = _mm512_cvtepi32_ps(                                            \
-                    _mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(w0, J)));                     \
-                const __m512 f1 = _mm512_cvtepi32_ps(                                            \
-                    _mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(w1, J)));                     \
-                for (int i = 0; i < rows; i++) {                                                 \
-                    const __m512 xv = _mm512_set1_ps(xk[i * s->kp + 4 * r + J]);                 \
-                    acc[i][0] = _mm512_fmadd_ps(f0, xv, acc[i][0]);                              \
-                    acc[i][1] = _mm512_fmadd_ps(f1, xv, acc[i][1]);                              \
-                }                                                                                \
+    for (int64_t st = 0; st < steps; st++)
+        for (int t = 0; t < 2; t++)
+            for (int r = 0; r < 16; r++) {
+                const int8_t *src = panel + st * STEP_BYTES + t * TILE_BYTES + r * 64;
+                _mm_prefetch((const char *)(src + PREFETCH_STEPS * STEP_BYTES), _MM_HINT_T0);
+                const __m512i w = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(src));
+                float *dst = out + (st * KSTEP + 4 * r) * PANEL + t * 16;
+                _mm512_storeu_ps(dst, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                    _mm512_extracti32x4_epi32(w, 0))));
+                _mm512_storeu_ps(dst + PANEL, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                    _mm512_extracti32x4_epi32(w, 1))));
+                _mm512_storeu_ps(dst + 2 * PANEL, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                    _mm512_extracti32x4_epi32(w, 2))));
+                _mm512_storeu_ps(dst + 3 * PANEL, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                    _mm512_extracti32x4_epi32(w, 3))));
             }
-            FMA_K(0) FMA_K(1) FMA_K(2) FMA_K(3)
-#undef FMA_K
+}
+
+/* Weight-only: rows [rows) of xf (fp32, kp apart) against a widened panel wf [kp][32]. */
+static inline __attribute__((always_inline)) void fma_rows(
+        const shape_t *s, int64_t p, const float *wf, const float *xf, const int rows,
+        const float *ws, const void *bias, void *y, int64_t y_row_bytes) {
+    __m512 acc[FMA_ROWS][2];
+    for (int i = 0; i < rows; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < s->kp; k++) {
+        const __m512 w0 = _mm512_loadu_ps(wf + k * PANEL);
+        const __m512 w1 = _mm512_loadu_ps(wf + k * PANEL + 16);
+        for (int i = 0; i < rows; i++) {
+            const __m512 xv = _mm512_set1_ps(xf[i * s->kp + k]);
+            acc[i][0] = _mm512_fmadd_ps(w0, xv, acc[i][0]);
+            acc[i][1] = _mm512_fmadd_ps(w1, xv, acc[i][1]);
         }
     }
     __m512 s0, s1;
@@ -305,30 +312,96 @@ static inline __attribute__((always_inline)) void fma_rows(
                    (char *)y + i * y_row_bytes);
 }
 
-static void avx512_weight_only(const float *xf, int64_t m, const int8_t *packed,
-                               const float *ws, const void *bias, const shape_t *s, void *y,
-                               int64_t y_cols) {
-    const int64_t row_bytes = y_cols * (s->bf16 ? 2 : 4);
-    #pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < s->panels; p++) {
-        const int8_t *panel = packed + p * s->steps * STEP_BYTES;
-        for (int64_t r0 = 0; r0 < m; r0 += FMA_ROWS) {
-            const int64_t left = m - r0;
-            const float *x0 = xf + r0 * s->kp;
-            char *y0 = (char *)y + r0 * row_bytes;
-            const int first = r0 == 0;  /* the first pass streams the panel in */
-            switch (left >= FMA_ROWS ? FMA_ROWS : left) {
-            case 1: fma_rows(s, p, panel, x0, 1, ws, bias, y0, row_bytes, first); break;
-            case 2: fma_rows(s, p, panel, x0, 2, ws, bias, y0, row_bytes, first); break;
-            case 3: fma_rows(s, p, panel, x0, 3, ws, bias, y0, row_bytes, first); break;
-            case 4: fma_rows(s, p, panel, x0, 4, ws, bias, y0, row_bytes, first); break;
-            case 5: fma_rows(s, p, panel, x0, 5, ws, bias, y0, row_bytes, first); break;
-            case 6: fma_rows(s, p, panel, x0, 6, ws, bias, y0, row_bytes, first); break;
-            case 7: fma_rows(s, p, panel, x0, 7, ws, bias, y0, row_bytes, first); break;
-            default: fma_rows(s, p, panel, x0, 8, ws, bias, y0, row_bytes, first); break;
+/* Sums the 4 lanes of each 128-bit quarter of a0..a3 (quarter L of a_q: column 4q + L):
+ * -> the 16 columns' sums in order. */
+static inline __m512 sum_quads(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+    const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+    /* quarter L: a0 a1 a2 a3 of column L (element 4L + q is column 4q + L) */
+    const __m512 v = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, 0x44),
+                                   _mm512_shuffle_ps(s01, s23, 0xee));
+    int32_t order[16];
+    for (int c = 0; c < 16; c++) order[c] = (c % 4) * 4 + c / 4;
+    return _mm512_permutexvar_ps(_mm512_loadu_si512(order), v);
+}
+
+/* Weight-only, few rows: straight from the int8 panel, no widened copy. 16 bytes of a tile row
+ * (4 columns x 4 k) widen to 16 fp32 lanes and meet x's 4 k repeated in each quarter; the 4
+ * partial sums of a column are added at the end. */
+static inline __attribute__((always_inline)) void stream_rows(
+        const shape_t *s, int64_t p, const int8_t *panel, const float *xf, const int rows,
+        const float *ws, const void *bias, void *y, int64_t y_row_bytes) {
+    __m512 acc[STREAM_ROWS][8];
+    for (int i = 0; i < rows; i++)
+        for (int q = 0; q < 8; q++) acc[i][q] = _mm512_setzero_ps();
+    for (int64_t st = 0; st < s->steps; st++) {
+        const int8_t *b = panel + st * STEP_BYTES;
+        const float *xk = xf + st * KSTEP;
+        for (int r = 0; r < 16; r++) {
+            prefetch_step(b, r);
+            __m512 xv[STREAM_ROWS];
+            for (int i = 0; i < rows; i++)
+                xv[i] = _mm512_broadcast_f32x4(_mm_loadu_ps(xk + i * s->kp + 4 * r));
+            for (int q = 0; q < 8; q++) {  /* tile q / 4, columns 4 (q % 4) .. + 3 */
+                const int8_t *w = b + (q / 4) * TILE_BYTES + r * 64 + (q % 4) * 16;
+                const __m512 wf = _mm512_cvtepi32_ps(
+                    _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)w)));
+                for (int i = 0; i < rows; i++)
+                    acc[i][q] = _mm512_fmadd_ps(wf, xv[i], acc[i][q]);
             }
         }
     }
+    __m512 s0, s1;
+    panel_scales(ws, s, p, &s0, &s1);
+    for (int i = 0; i < rows; i++)
+        finish_row(_mm512_mul_ps(sum_quads(acc[i][0], acc[i][1], acc[i][2], acc[i][3]), s0),
+                   _mm512_mul_ps(sum_quads(acc[i][4], acc[i][5], acc[i][6], acc[i][7]), s1),
+                   s, p, bias, (char *)y + i * y_row_bytes);
+}
+
+/* Up to STREAM_ROWS rows, `stream_rows`; more, each panel is widened once into an
+ * L2-resident fp32 copy (kp * 128 bytes per thread), which every block of rows then reads. */
+static int avx512_weight_only(const float *xf, int64_t m, const int8_t *packed,
+                              const float *ws, const void *bias, const shape_t *s, void *y,
+                              int64_t y_cols) {
+    const int64_t row_bytes = y_cols * (s->bf16 ? 2 : 4);
+    if (m <= STREAM_ROWS) {
+        #pragma omp parallel for schedule(static)
+        for (int64_t p = 0; p < s->panels; p++) {
+            const int8_t *panel = packed + p * s->steps * STEP_BYTES;
+            switch (m) {
+            case 1: stream_rows(s, p, panel, xf, 1, ws, bias, y, row_bytes); break;
+            case 2: stream_rows(s, p, panel, xf, 2, ws, bias, y, row_bytes); break;
+            default: stream_rows(s, p, panel, xf, STREAM_ROWS, ws, bias, y, row_bytes); break;
+            }
+        }
+        return 0;
+    }
+    float *widened = aligned_alloc(64, (size_t)(omp_get_max_threads() * s->kp * PANEL)
+                                           * sizeof(float));
+    if (!widened) return -3;
+    #pragma omp parallel
+    {
+        float *wf = widened + (int64_t)omp_get_thread_num() * s->kp * PANEL;
+        #pragma omp for schedule(static)
+        for (int64_t p = 0; p < s->panels; p++) {
+            widen_panel_f32(packed + p * s->steps * STEP_BYTES, s->steps, wf);
+            for (int64_t r0 = 0; r0 < m; r0 += FMA_ROWS) {
+                const int64_t left = m - r0;
+                const float *x0 = xf + r0 * s->kp;
+                char *y0 = (char *)y + r0 * row_bytes;
+                switch (left >= FMA_ROWS ? FMA_ROWS : left) {
+#define FMA_CASE(R) case R: fma_rows(s, p, wf, x0, R, ws, bias, y0, row_bytes); break;
+                FMA_CASE(1) FMA_CASE(2) FMA_CASE(3) FMA_CASE(4) FMA_CASE(5) FMA_CASE(6)
+                FMA_CASE(7)
+#undef FMA_CASE
+                default: fma_rows(s, p, wf, x0, FMA_ROWS, ws, bias, y0, row_bytes); break;
+                }
+            }
+        }
+    }
+    free(widened);
+    return 0;
 }
 
 #if defined(__AVX512VNNI__)
@@ -409,8 +482,6 @@ static void vnni_w8a8(const int8_t *xq, const float *xs, int64_t m, const int8_t
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__) \
     && defined(__AVX512BF16__)
 #define HAVE_AMX 1
-#include <omp.h>
-
 #include "amx.h"
 
 /* While the first pass over a panel streams it in, the second brings the next panel to L2 (as
@@ -663,7 +734,7 @@ int matmul_int8(const void *x, int64_t x_stride, int64_t m, int bf16, const int8
     if (!xf) return -3;
     widen_rows(x, x_stride, m, &s, xf);
 #ifdef HAVE_AVX512
-    if (path == PATH_AVX512) avx512_weight_only(xf, m, packed, ws, bias, &s, y, y_cols);
+    if (path == PATH_AVX512) rc = avx512_weight_only(xf, m, packed, ws, bias, &s, y, y_cols);
     else
 #endif
         portable_weight_only(xf, m, packed, ws, bias, &s, y, y_cols);
