@@ -1,4 +1,4 @@
-"""Reading a GGUF file tensor by tensor from gguf's memory map: dequantized (a GGUF model
+"""Reading a GGUF file tensor by tensor from a memory map of it: dequantized (a GGUF model
 without `--quantization`) or kept packed (`--quantization gguf`).
 
 GGUF tensor names map onto the Hugging Face names of a Llama-family model; llama.cpp stores the
@@ -9,8 +9,12 @@ permutation moves whole rows, so packed rows of blocks are permuted as they are.
 After each tensor is copied, its pages of the map are released (madvise DONTNEED): they stay
 in the page cache, but do not count against this process, so a load holds the model once.
 """
+import math
 import mmap
+import struct
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -18,6 +22,9 @@ import torch
 from services.worker.models.gguf_weights import (PACKED_TYPES, Q8_0, GGUFWeight, allocate_part,
                                                  fill_from_blocks, fill_from_float)
 from shared.logging import get_logger
+
+if TYPE_CHECKING:
+    from gguf import GGMLQuantizationType
 
 log = get_logger("worker")
 
@@ -42,16 +49,95 @@ def hf_name(gguf_name: str) -> str | None:
     return f"{mapped}.{kind}" if mapped else None
 
 
+@dataclass
+class GGUFTensor:
+    """One tensor of the file: `data` is a view of the map, shaped as gguf's reader shapes it
+    (quantized rows as bytes, [..., row bytes])."""
+    name: str
+    shape: tuple[int, ...]  # ggml's order: the innermost (row) dimension first
+    tensor_type: "GGMLQuantizationType"
+    data_offset: int  # from the start of the file
+    n_bytes: int
+    data: np.ndarray
+
+
+# Bytes of each fixed-size GGUF metadata value type (uint8 .. float64; 8 is a string, 9 an array).
+_VALUE_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_PLAIN_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8,
+                 "I16": np.int16, "I32": np.int32, "I64": np.int64}
+
+
+def read_tensors(path: str) -> tuple[str | None, dict[str, GGUFTensor], np.memmap]:
+    """(architecture, tensors by GGUF name, the file's map) from a little-endian GGUF file
+    (version 2 or 3). The metadata is skipped rather than parsed: gguf's GGUFReader builds an
+    array for every token and merge of the vocabulary, ~150 MiB at once for the default model,
+    more than its packed weights."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    with open(path, "rb") as f:
+        def take(fmt: str):
+            return struct.unpack(fmt, f.read(struct.calcsize(fmt)))
+
+        def string() -> bytes:
+            (n,) = take("<Q")
+            return f.read(n)
+
+        def skip(vtype: int) -> None:
+            if vtype == 8:
+                f.seek(take("<Q")[0], 1)
+            elif vtype == 9:
+                sub, count = take("<IQ")
+                if sub in _VALUE_BYTES:
+                    f.seek(_VALUE_BYTES[sub] * count, 1)
+                else:
+                    for _ in range(count):
+                        skip(sub)
+            else:
+                f.seek(_VALUE_BYTES[vtype], 1)
+
+        magic, version, n_tensors, n_kv = take("<4sIQQ")
+        if magic != b"GGUF" or version not in (2, 3):
+            raise ValueError(f"{path} is not a little-endian GGUF file of version 2 or 3")
+        arch, alignment = None, 32
+        for _ in range(n_kv):
+            key = string()
+            (vtype,) = take("<I")
+            if key == b"general.architecture" and vtype == 8:
+                arch = string().decode()
+            elif key == b"general.alignment" and vtype == 4:
+                (alignment,) = take("<I")
+            else:
+                skip(vtype)
+        infos = []
+        for _ in range(n_tensors):
+            name = string().decode()
+            (n_dims,) = take("<I")
+            dims = take(f"<{n_dims}Q")
+            qtype, offset = take("<IQ")
+            infos.append((name, dims, qtype, offset))
+        start = f.tell()
+    start += -start % alignment
+    whole = np.memmap(path, dtype=np.uint8, mode="r")
+    tensors = {}
+    for name, dims, qtype, offset in infos:
+        kind = GGMLQuantizationType(qtype)
+        block, type_bytes = GGML_QUANT_SIZES[kind]
+        n_bytes = math.prod(dims) // block * type_bytes
+        raw = whole[start + offset:start + offset + n_bytes]
+        if kind.name in _PLAIN_DTYPES:
+            data = raw.view(_PLAIN_DTYPES[kind.name]).reshape(dims[::-1])
+        else:
+            data = raw.reshape(*dims[:0:-1], dims[0] // block * type_bytes)
+        tensors[name] = GGUFTensor(name, tuple(dims), kind, start + offset, n_bytes, data)
+    return arch, tensors, whole
+
+
 class GGUFFile:
-    """A GGUF file's tensors by Hugging Face name, read through gguf's memory map."""
+    """A GGUF file's tensors by Hugging Face name, read through a memory map of the file."""
 
     def __init__(self, path: str, hf_config):
-        from gguf import GGUFReader
-        self.reader = GGUFReader(path)
-        arch = self.reader.fields["general.architecture"]
-        self.architecture = arch.contents()
+        self.architecture, tensors, self.map = read_tensors(path)
         self.tensors = {}
-        for t in self.reader.tensors:
+        for t in tensors.values():
             name = hf_name(t.name)
             if name is not None:
                 self.tensors[name] = t
@@ -70,7 +156,7 @@ class GGUFFile:
         t = self.tensors[name]
         start = t.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
         try:
-            self.reader.data._mmap.madvise(mmap.MADV_DONTNEED, start,
+            self.map._mmap.madvise(mmap.MADV_DONTNEED, start,
                                            t.data_offset + int(t.n_bytes) - start)
         except (AttributeError, OSError, ValueError):
             pass  # only the peak memory of the load is at stake

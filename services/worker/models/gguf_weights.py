@@ -31,8 +31,10 @@ BLOCK = 32
 _BLOCK_BYTES = {Q8_0: 34, Q4_0: 18, Q4_1: 20}
 
 # The quantized kernel up to this many rows of x, a dequantized temporary and the dense matmul
-# above (measured on the default model's shapes, 2 threads; see docs/quantization.md).
-KERNEL_MAX_ROWS = 1 << 30
+# above: where the two took the same time on the default model's shapes (576 x 3072 and
+# 1536 x 576, Q4_1; see docs/quantization.md). The kernel's time grows with the rows (every
+# row is another pass of integer products), the temporary's cost is fixed.
+KERNEL_MAX_ROWS = {torch.float32: 32, torch.bfloat16: 16}
 
 
 @dataclass
@@ -127,8 +129,7 @@ def gguf_linear(x: torch.Tensor, weight: GGUFWeight, bias: torch.Tensor | None) 
     """x [..., in] W^T (+ b) in x's dtype."""
     lead, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, k)
-    if (rows.shape[0] > KERNEL_MAX_ROWS or x.dtype not in (torch.float32, torch.bfloat16)
-            or not cpu_kernels.available_for(x)):
+    if (rows.shape[0] > KERNEL_MAX_ROWS.get(x.dtype, -1) or not cpu_kernels.available_for(x)):
         out = F.linear(rows, weight.dequantize(x.dtype), bias)
         return out.view(*lead, out.shape[-1])
     if rows.stride(1) != 1:

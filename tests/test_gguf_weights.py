@@ -1,0 +1,245 @@
+"""GGUF weights kept packed (`--quantization gguf`): the kernels of kernels/cpu/matmul_gguf.c
+(both paths) against gguf's own dequantize, the default model (Q4_1) and a Q8_0 copy of it
+against the same file dequantized, and the memory a packed load holds."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from kernels import cpu as cpu_kernels
+from pagoda import LLM, SamplingParams
+from services.worker.models.gguf_weights import (Q4_0, Q4_1, Q8_0, GGUFWeight, allocate_part,
+                                                 fill_from_blocks)
+from services.worker.models.linear import Linear
+from shared.config import ConfigError, EngineArgs
+from shared.model_source import default_model_path
+from tests.test_int8_weights import (MAX_TOKENS, MIN_AGREEING, PROMPTS, TEXT, TOP_K,
+                                     first_difference, perplexity)
+
+gguf = pytest.importorskip("gguf")
+
+TYPES = {"Q8_0": Q8_0, "Q4_0": Q4_0, "Q4_1": Q4_1}
+ROWS = [1, 3, 16, 64, 130]
+SHAPES = [(32, 8), (96, 33), (160, 17), (576, 64)]  # (K, N): 1, 3, 5 and 18 blocks a row
+
+
+@pytest.fixture(params=["vnni", "portable"])
+def gguf_path(request):
+    """The VNNI path where this CPU has it (skipped where not), and the plain C loop."""
+    if request.param == "vnni" and not cpu_kernels.gguf_simd_available():
+        pytest.skip("the kernels were not built with AVX-512 VNNI on this CPU")
+    if cpu_kernels.load() is None:
+        pytest.skip(f"cpu kernels unavailable: {cpu_kernels.unavailable_reason()}")
+    cpu_kernels.set_gguf_simd(request.param == "vnni")
+    yield request.param
+    cpu_kernels.set_gguf_simd(True)
+
+
+def _weight(qtype: int, n: int, k: int, seed: int) -> tuple[GGUFWeight, torch.Tensor]:
+    """A random weight quantized by gguf, packed -> (packed, gguf's dequantized fp32)."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((n, k)) * np.logspace(-2, 0, n)[:, None]).astype(np.float32)
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType(qtype))
+    part = allocate_part(qtype, 0, n, k)
+    fill_from_blocks(part, 0, raw)
+    return GGUFWeight(k, [part]), torch.from_numpy(gguf.quants.dequantize(
+        raw, gguf.GGMLQuantizationType(qtype)).copy())
+
+
+def _quantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel sees it: 8-bit blocks of 32, d = max|x| / 127, q rounded half to even."""
+    rows, k = x.shape
+    blocks = x.float().reshape(rows, k // 32, 32)
+    d = blocks.abs().amax(dim=-1) / 127.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(blocks * inv[..., None]).clamp_(-127, 127)
+    return (q * d[..., None]).reshape(rows, k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("k,n", SHAPES)
+@pytest.mark.parametrize("qtype", TYPES.values(), ids=TYPES.keys())
+def test_gguf_matmul_equals_the_dequantized_weight(gguf_path, qtype, k, n, dtype):
+    weight, dense = _weight(qtype, n, k, seed=k * 1000 + n)
+    part = weight.parts[0]
+    for rows in ROWS:
+        torch.manual_seed(rows)
+        x = torch.randn(rows, k).to(dtype)
+        bias = torch.randn(n).to(dtype) if rows % 2 else None
+        # Written into the middle columns of a wider, NaN-filled output: nothing else touched.
+        wide = torch.full((rows, n + 7), float("nan"), dtype=dtype)
+        cpu_kernels.gguf_matmul(x, qtype, part.qs, part.d, part.m, bias, wide[:, 3:3 + n])
+        out = wide[:, 3:3 + n].double()
+        assert wide[:, :3].isnan().all() and wide[:, 3 + n:].isnan().all()
+        assert not out.isnan().any()
+        ref = _quantized_activations(x).double() @ dense.double().T
+        plain = x.double() @ dense.double().T
+        if bias is not None:
+            ref += bias.double()
+            plain += bias.double()
+        scale = ref.abs().max().item()
+        # The same sums in another order: fp32 rounding; bf16: the output's rounding.
+        tol = (2e-5 if dtype == torch.float32 else 8e-3) * scale
+        err = (out - ref).abs().max().item()
+        assert err <= tol, f"{gguf_path} rows {rows}: max error {err:.3g} > {tol:.3g}"
+        # Against the unquantized activations: the 8-bit blocks' rounding only.
+        assert (out - plain).abs().max().item() <= 0.05 * scale
+
+
+@pytest.mark.parametrize("qtype", TYPES.values(), ids=TYPES.keys())
+def test_gguf_dequantize_is_ggufs_own(qtype):
+    weight, dense = _weight(qtype, 37, 96, seed=qtype)
+    assert torch.equal(weight.dequantize(torch.float32), dense)
+    assert torch.equal(weight.dequantize(torch.bfloat16), dense.bfloat16())
+    ids = torch.tensor([5, 0, 36, 5])
+    assert torch.equal(weight.dequantize(torch.float32, ids), dense[ids])
+    with pytest.raises(IndexError):
+        weight.dequantize(torch.float32, torch.tensor([37]))
+
+
+def test_gguf_quantization_config():
+    path = default_model_path()
+    assert EngineArgs(model=path, quantization="auto").create_engine_config() \
+        .model_config.quantization == "gguf"
+    with pytest.raises(ConfigError, match="^quantization: .*tensor_parallel_size"):
+        EngineArgs(model=path, quantization="gguf", tensor_parallel_size=3).create_engine_config()
+    with pytest.raises(ConfigError, match="^quantization: must be .*gguf"):
+        EngineArgs(model=path, quantization="q4").create_engine_config()
+
+
+# --- the default model and a Q8_0 copy ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gguf_llm():
+    llm = LLM(quantization="gguf", kv_cache_space_gib=0.25, swap_space=0.05)
+    yield llm
+    del llm
+
+
+@pytest.fixture(scope="module")
+def q8_file(tmp_path_factory):
+    from ops.make_gguf import make_gguf
+    return make_gguf(str(tmp_path_factory.mktemp("gguf") / "model.Q8_0.gguf"), "Q8_0")
+
+
+def _model(llm: LLM):
+    return llm.llm_engine.executor.worker.model_runner.model
+
+
+def _greedy_agreement(ref: LLM, llm: LLM, label: str) -> int:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=TOP_K,
+                            ignore_eos=True)
+    a_out = ref.generate(PROMPTS, params, use_tqdm=False)
+    b_out = llm.generate(PROMPTS, params, use_tqdm=False)
+    agreeing, lines = 0, []
+    for i, (a, b) in enumerate(zip(a_out, b_out)):
+        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
+        assert len(ta) == len(tb) == MAX_TOKENS
+        pos = first_difference(ta, tb)
+        if pos is None:
+            agreeing += 1
+            continue
+        top_a, top_b = (sorted(lp, key=lp.get, reverse=True)[:TOP_K]
+                        for lp in (a.outputs[0].logprobs[pos], b.outputs[0].logprobs[pos]))
+        near_tie = ta[pos] in top_b and tb[pos] in top_a
+        agreeing += near_tie
+        lines.append(f"prompt {i}, position {pos}: dequantized {ta[pos]}, packed {tb[pos]} "
+                     f"({'near-tie' if near_tie else 'DIVERGED'})")
+    print(f"\n{label}: packed vs dequantized, {agreeing}/{len(PROMPTS)} agree over "
+          f"{MAX_TOKENS} tokens, {len(lines)} differ")
+    for line in lines:
+        print("  ", line)
+    return agreeing
+
+
+def test_the_gguf_model_holds_the_files_blocks(gguf_llm):
+    model = _model(gguf_llm)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed.kind == "gguf" and m.weight.device.type == "meta"
+                           and [p.qtype for p in m.packed.gguf.parts] == [Q4_1] for m in linears)
+    embed = model.model.embed_tokens
+    assert embed.weight.device.type == "meta" and embed.packed.parts[0].qtype == Q8_0
+    assert model.lm_head_packed.gguf is embed.packed  # the tied head: the same blocks
+    reader = gguf.GGUFReader(default_model_path())
+    matrices = sum(int(t.n_bytes) for t in reader.tensors if len(t.shape) == 2)
+    held = sum(m.packed.gguf.nbytes for m in linears) + embed.packed.nbytes
+    assert held == matrices  # the file's bytes per weight
+
+
+def test_gguf_q4_1_greedy_and_perplexity_match_the_dequantized_file(llm, gguf_llm, tokenizer):
+    assert _greedy_agreement(llm, gguf_llm, "Q4_1") >= MIN_AGREEING
+    token_ids = tokenizer.encode(TEXT)
+    ref, q = perplexity(llm, token_ids), perplexity(gguf_llm, token_ids)
+    print(f"Q4_1 perplexity over {len(token_ids)} tokens: dequantized {ref:.4f}, packed {q:.4f} "
+          f"({100 * (q / ref - 1):+.2f}%)")
+    assert abs(q / ref - 1) <= 0.02
+
+
+def test_gguf_q8_0_copy_greedy_and_perplexity_match_the_dequantized_file(q8_file, tokenizer):
+    dense = LLM(model=q8_file, kv_cache_space_gib=0.25, swap_space=0.05)
+    packed = LLM(model=q8_file, quantization="gguf", kv_cache_space_gib=0.25, swap_space=0.05)
+    assert {p.qtype for m in _model(packed).modules() if isinstance(m, Linear)
+            for p in m.packed.gguf.parts} == {Q8_0}
+    assert _greedy_agreement(dense, packed, "Q8_0") >= MIN_AGREEING
+    token_ids = tokenizer.encode(TEXT)
+    ref, q = perplexity(dense, token_ids), perplexity(packed, token_ids)
+    print(f"Q8_0 perplexity over {len(token_ids)} tokens: dequantized {ref:.4f}, packed {q:.4f} "
+          f"({100 * (q / ref - 1):+.2f}%)")
+    assert abs(q / ref - 1) <= 0.02
+
+
+# --- memory ----------------------------------------------------------------------------------------
+
+_PEAK_SCRIPT = r"""
+import json, sys
+import torch
+from kernels import cpu as cpu_kernels
+from services.worker.attention.torch_backend import TorchAttentionBackend
+from services.worker.model_loader import load_model
+from shared.config import LoadConfig, ModelConfig, load_hf_config
+from shared.model_source import resolve_model
+
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith(key + ":"))
+
+cpu_kernels.load()
+source = resolve_model(None)
+config = ModelConfig(source=source, tokenizer=source.path, dtype=torch.float32, seed=0,
+                     max_model_len=2048, hf_config=load_hf_config(source),
+                     quantization=sys.argv[1] or None)
+try:  # start the peak afresh (Linux: 5 resets VmHWM to the current RSS)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+except OSError:
+    pass
+baseline = status("VmRSS")
+model = load_model(config, LoadConfig("auto"), torch.device("cpu"), TorchAttentionBackend())
+print(json.dumps({"baseline": baseline, "peak": status("VmHWM")}))
+"""
+
+
+def _load_peak(quantization: str) -> int:
+    out = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, quantization], capture_output=True,
+                         text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 0, out.stderr[-3000:]
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    return figures["peak"] - figures["baseline"]
+
+
+def test_a_packed_load_holds_the_packed_model_and_at_most_one_tensor_in_fp32():
+    reader = gguf.GGUFReader(default_model_path())
+    packed = sum(int(t.n_bytes) for t in reader.tensors)  # norms: F32 in the file and model
+    largest_fp32 = max(int(np.prod([int(d) for d in t.shape])) * 4 for t in reader.tensors)
+    margin = 48 << 20  # allocator and huge-page rounding, the model's small buffers
+    grown = _load_peak("gguf")
+    mib = 2 ** 20
+    # (The dequantizing path, `_load_peak("")`, measured 745 MiB: docs/quantization.md.)
+    print(f"\npeak RSS growth loading the default model: --quantization gguf {grown / mib:.0f} "
+          f"MiB (limit {(packed + largest_fp32 + margin) / mib:.0f} = packed {packed / mib:.0f} "
+          f"+ largest tensor in fp32 {largest_fp32 / mib:.0f} + margin {margin / mib:.0f})")
+    assert grown <= packed + largest_fp32 + margin
