@@ -232,7 +232,7 @@ class EngineArgs:
         if self.preemption_mode == "swap" and self.swap_space <= 0:
             raise ConfigError("swap_space", "preemption_mode 'swap' needs swap_space > 0")
         self._check_tensor_parallel(hf_config, device)
-        speculative = self._speculative(hf_config)
+        speculative = self._speculative(hf_config, dtype, max_model_len)
         if self.data_parallel_size < 1:
             raise ConfigError("data_parallel_size",
                               f"must be at least 1, got {self.data_parallel_size}")
@@ -286,7 +286,8 @@ class EngineArgs:
             speculative_config=speculative,
         )
 
-    def _speculative(self, hf_config) -> SpeculativeConfig | None:
+    def _speculative(self, hf_config, dtype: torch.dtype, max_model_len: int
+                     ) -> SpeculativeConfig | None:
         spec = parse_speculative_config(self.speculative_config)
         if spec is None:
             return None
@@ -294,11 +295,35 @@ class EngineArgs:
             raise ConfigError("speculative_config", "does not run with tensor_parallel_size > 1 "
                                                     "yet")
         if spec.method == "draft_model":
-            try:
-                resolve_model(spec.model)
-            except ModelNotFoundError as e:
-                raise ConfigError("speculative_config", f"draft model: {e}") from None
+            spec.draft_model_config = self._draft_model_config(spec.model, hf_config, dtype,
+                                                               max_model_len)
         return spec
+
+    def _draft_model_config(self, path: str, hf_config, dtype: torch.dtype,
+                            max_model_len: int) -> ModelConfig:
+        """The draft's ModelConfig: a local Llama-family model whose token ids are the
+        target's, long enough for max_model_len, run in the target's dtype."""
+        try:
+            source = resolve_model(path)
+        except ModelNotFoundError as e:
+            raise ConfigError("speculative_config", f"draft model: {e}") from None
+        draft = load_hf_config(source)
+        model_type = getattr(draft, "model_type", None)
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError("speculative_config", f"draft model: architecture {model_type!r} "
+                                                    f"is not supported")
+        if draft.vocab_size != hf_config.vocab_size:
+            raise ConfigError("speculative_config", f"draft model: its vocabulary has "
+                                                    f"{draft.vocab_size} ids, the model's "
+                                                    f"{hf_config.vocab_size}: they must share "
+                                                    f"the tokenizer")
+        limit = getattr(draft, "max_position_embeddings", None) or 2048
+        if limit < max_model_len:
+            raise ConfigError("speculative_config", f"draft model: max_position_embeddings "
+                                                    f"{limit} is below max_model_len "
+                                                    f"{max_model_len}")
+        return ModelConfig(source=source, tokenizer=source.path, dtype=dtype, seed=self.seed,
+                           max_model_len=max_model_len, hf_config=draft)
 
     def _quantization(self, source: ModelSource) -> str | None:
         """The quantization to run: "auto" is gguf for a GGUF file (weights kept packed), none

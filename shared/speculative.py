@@ -8,7 +8,7 @@ proposes the tokens that followed the latest earlier occurrence of the sequence'
 the target verifies every proposal in one forward pass (services/worker/rejection_sampler.py).
 """
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shared.sampling_params import SamplingParams
 
@@ -29,6 +29,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1  # ngram: the shortest
     model: str | None = None  # draft_model: its local folder or GGUF file
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    # draft_model: the draft's shared.config.ModelConfig, built with the engine's config.
+    draft_model_config: object = field(default=None, repr=False)
 
 
 def parse_speculative_config(value: str | dict | None) -> SpeculativeConfig | None:

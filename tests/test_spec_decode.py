@@ -272,3 +272,76 @@ def test_served_stack_speculates_with_the_same_greedy_text_and_reports_it(llm, t
     assert 0 < value("vllm:spec_decode_num_accepted_tokens") <= value(
         "vllm:spec_decode_num_draft_tokens")
     assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name=' in metrics
+
+
+# -- draft model -------------------------------------------------------------------------------
+
+DRAFT_LAYERS = 8
+
+
+@pytest.fixture(scope="module")
+def draft_folder(tmp_path_factory):
+    """The default model's first DRAFT_LAYERS layers (its embedding, final norm and head kept)
+    as a Hugging Face folder with the same tokenizer: a smaller model of the same vocabulary."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from shared.model_source import resolve_model
+    from shared.tokenizer import get_tokenizer
+    source = resolve_model(None)
+    full = AutoModelForCausalLM.from_pretrained(source.folder, gguf_file=source.gguf_file,
+                                                dtype=torch.float32)
+    config = copy.deepcopy(full.config)
+    config.num_hidden_layers = DRAFT_LAYERS
+    if hasattr(config, "quantization_config"):  # loaded from GGUF; the copy is plain weights
+        del config.quantization_config
+    draft = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, _ = draft.load_state_dict(full.state_dict(), strict=False)
+    assert not missing
+    folder = tmp_path_factory.mktemp("draft")
+    draft.save_pretrained(folder)
+    get_tokenizer(source.path).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def draft_llm(draft_folder):
+    from pagoda import LLM
+    llm = LLM(kv_cache_space_gib=0.25, speculative_config={
+        "model": draft_folder, "num_speculative_tokens": 3, "disable_by_batch_size": 12})
+    yield llm
+    llm.close()
+
+
+def test_draft_model_greedy_output_is_identical_to_plain_greedy(llm, draft_llm):
+    plain = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    spec = draft_llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    for p, s, prompt in zip(plain, spec, PROMPTS):
+        assert s.outputs[0].token_ids == p.outputs[0].token_ids, prompt
+    engine = draft_llm.llm_engine
+    stats = engine.get_stats().spec_decode
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+    assert stats.num_accepted_tokens < stats.num_draft_tokens
+    bm = engine.scheduler.block_manager
+    assert bm.get_num_free_device_blocks() == bm.num_device_blocks
+    # Each block has a slot in both caches: the draft's is sized like the target's.
+    worker = engine.executor.worker
+    assert worker.draft_cache_engine.device_cache[0][0].shape[0] == bm.num_device_blocks
+    assert len(worker.draft_cache_engine.device_cache) == DRAFT_LAYERS
+
+
+def test_draft_model_seeded_sampling_is_reproducible(draft_llm):
+    params = SamplingParams(temperature=0.8, seed=5, max_tokens=16)
+    first = draft_llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    again = draft_llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
+
+
+def test_draft_with_another_vocabulary_is_refused(tmp_path):
+    from tests.helpers import tiny_llama_config
+    tiny_llama_config().save_pretrained(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        EngineArgs(speculative_config={"model": str(tmp_path), "num_speculative_tokens": 2}
+                   ).create_engine_config()
+    assert e.value.field == "speculative_config" and "vocabulary" in str(e.value)

@@ -13,7 +13,7 @@ import torch
 
 from proto.messages import (ExecuteModelRequest, PromptLogprobs, SamplerOutput, SequenceData,
                             SequenceGroupMetadata)
-from shared.config import PagodaConfig
+from shared.config import LoadConfig, PagodaConfig
 from proto.messages import PLACEHOLDER
 from shared.sampling_params import SamplingParams
 from services.worker.attention import AttentionMetadata, get_attn_backend
@@ -55,6 +55,7 @@ class SequenceState:
     block_table: list[int] = field(default_factory=list)
     # Where the output is in the request's grammar; rebuilt from the output tokens when None.
     matcher: SequenceMatcher | None = None
+    num_draft_computed: int = 0  # leading tokens with KV in the draft model's cache
 
 
 @dataclass
@@ -99,15 +100,25 @@ class ModelRunner:
         # Structured output, set up when the first request that asks for it arrives.
         self.grammar_compiler = None  # GrammarCompilerPool
         self.grammar_masker = None  # GrammarMasker
-        # Speculative decoding's proposer (None: off).
+        # Speculative decoding's proposer: n-gram lookup, or a draft model (loaded with the
+        # target); both None: off.
         spec = config.speculative_config
         self.proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
                                        spec.prompt_lookup_max)
                          if spec is not None and spec.method == "ngram" else None)
+        self.draft = None  # DraftProposer
+        self._draft_probs = None  # this step's draft distributions, per proposal
+        self._proposing_rows: list[_Row] = []
 
     def load_model(self) -> None:
         self.model = load_model(self.model_config, self.config.load_config, self.device,
                                 self.attn_backend, self.shard, self.group)
+        spec = self.config.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            from services.worker.draft_proposer import DraftProposer
+            self.draft = DraftProposer(spec.draft_model_config, self.device, LoadConfig("auto"),
+                                       self.config.device_config.attention_backend,
+                                       self.block_size)
 
     @property
     def samples(self) -> bool:
@@ -199,7 +210,8 @@ class ModelRunner:
         return out
 
     def _plan_rows(self, groups: list[SequenceGroupMetadata]) -> list[_Row]:
-        prefills, verifies, decodes = [], [], []
+        prefills, verifies, decodes, candidates = [], [], [], []
+        self._draft_probs = None
         for group in groups:
             for sd in group.seq_data:
                 state = self.seqs[sd.seq_id]
@@ -207,43 +219,68 @@ class ModelRunner:
                 assert row.start + row.num_tokens <= len(state.token_ids), (
                     f"seq {sd.seq_id}: computing up to {row.start + row.num_tokens} "
                     f"but the worker holds {len(state.token_ids)} tokens")
-                if group.num_lookahead_slots and self._propose(row, group.num_lookahead_slots):
-                    verifies.append(row)  # several tokens against the cache, as a prefill chunk
+                if group.num_lookahead_slots and (self.proposer or self.draft):
+                    candidates.append(row)
                 else:
                     (decodes if row.num_tokens == 1 else prefills).append(row)
+        for row in self._propose(candidates):
+            # Several tokens against the cache, as a prefill chunk: after the prefills.
+            (verifies if row.proposals else decodes).append(row)
         return prefills + verifies + decodes
 
-    def _propose(self, row: _Row, max_tokens: int) -> bool:
-        """Proposals after a decode's token, appended to the sequence (for this step's
-        inputs; `_verify` keeps the accepted ones). False when there are none."""
-        state = row.state
-        assert row.num_tokens == 1 and row.group.do_sample and row.start + 1 == len(
-            state.token_ids), f"seq {row.seq.seq_id}: lookahead slots on a row that is no decode"
-        if self.proposer is None:
-            return False
-        proposals = self.proposer.propose(state.token_ids, max_tokens)
-        if not proposals:
-            return False
-        row.proposals = proposals
-        row.num_tokens += len(proposals)
-        state.token_ids.extend(proposals)
-        return True
+    def _propose(self, rows: list[_Row]) -> list[_Row]:
+        """Proposals after each decode's token, appended to its sequence (for this step's
+        inputs; `_verify` keeps the accepted ones); a row without any stays a decode."""
+        if not rows:
+            return rows
+        for row in rows:
+            assert row.num_tokens == 1 and row.group.do_sample and row.start + 1 == len(
+                row.state.token_ids), f"seq {row.seq.seq_id}: lookahead slots on no decode"
+        limits = [row.group.num_lookahead_slots for row in rows]
+        self._proposing_rows = rows
+        if self.draft is not None:
+            proposals, self._draft_probs = self.draft.propose(
+                rows, limits, [self._sampling_row(row) for row in rows])
+        else:
+            proposals = [self.proposer.propose(row.state.token_ids, k)
+                         for row, k in zip(rows, limits)]
+        for row, props in zip(rows, proposals):
+            if props:
+                row.proposals = props
+                row.num_tokens += len(props)
+                row.state.token_ids.extend(props)
+        return rows
+
+    @staticmethod
+    def _sampling_row(row: _Row) -> SamplingRow:
+        """A decode's sampling row at its next token (no penalties: such rows never
+        speculate)."""
+        req = row.state.request
+        return SamplingRow(params=req.params, seed=req.seed, sample_index=row.state.sample_index,
+                           output_index=row.start + 1 - req.prompt_len, prompt_token_ids=[],
+                           output_token_ids=[])
 
     def _verify(self, rows: list[_Row], hidden: torch.Tensor, out: SamplerOutput) -> None:
         """Accept or reject each row's proposals (rejection_sampler.py) and keep what they
         emit: the accepted proposals and one token of the target's."""
         logits = self.model.compute_logits(hidden)  # [sum(1 + proposals), vocab]
-        sampling_rows = []
-        for row in rows:
-            req = row.state.request
-            sampling_rows.append(SamplingRow(
-                params=req.params, seed=req.seed, sample_index=row.state.sample_index,
-                output_index=row.start + 1 - req.prompt_len, prompt_token_ids=[],
-                output_token_ids=[]))
-        verified = rejection_sample(logits, [r.proposals for r in rows], sampling_rows)
+        draft_probs = self._draft_probs
+        if draft_probs is not None:
+            # The draft's distributions are in proposing order: put them in verifying order.
+            by_row, offset = {}, 0
+            for row in self._proposing_rows:
+                if row.proposals:
+                    by_row[id(row)] = range(offset, offset + len(row.proposals))
+                    offset += len(row.proposals)
+            draft_probs = draft_probs[[i for row in rows for i in by_row[id(row)]]]
+        verified = rejection_sample(logits, [r.proposals for r in rows],
+                                    [self._sampling_row(r) for r in rows], draft_probs)
         for row, tokens, logprobs in zip(rows, verified.token_ids, verified.logprobs):
             del row.state.token_ids[row.start + 1:]
             row.state.token_ids.extend(tokens)
+            # Draft KV stays valid for the last token and the accepted proposals only.
+            row.state.num_draft_computed = min(row.state.num_draft_computed,
+                                               row.start + len(tokens))
             out.seq_ids.append(row.seq.seq_id)
             out.token_ids.append(tokens[0])
             out.logprobs.append(logprobs[0])

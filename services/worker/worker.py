@@ -5,6 +5,7 @@ leader (rank 0) relays every message from the engine to the others before handli
 each rank then does the same work on its own part of the model (`serve_follower` is the other
 ranks' loop).
 """
+import dataclasses
 import gc
 import os
 import time
@@ -66,6 +67,7 @@ class Worker:
         self.shard = shard_for(config.model_config.hf_config, rank, self.world_size)
         self.model_runner = ModelRunner(config, self.shard)
         self.cache_engine: CacheEngine | None = None
+        self.draft_cache_engine: CacheEngine | None = None  # the draft model's, if any
         # PAGODA_DEBUG_MEMORY=1 (CUDA): every step's peak checked against the profile's.
         self.debug_memory = os.environ.get("PAGODA_DEBUG_MEMORY") == "1"
         self.profile_transient: int | None = None  # the profile's peak above the weights
@@ -101,6 +103,10 @@ class Worker:
         cache = self.config.cache_config
         block_bytes = CacheEngine.get_cache_block_size_bytes(cache, self.config.model_config,
                                                              self.shard.num_kv_heads)
+        draft = self.model_runner.draft
+        if draft is not None:  # each block has a slot in the draft's cache too
+            block_bytes += CacheEngine.get_cache_block_size_bytes(cache, draft.model_config,
+                                                                  draft.num_kv_heads)
         # Only preemption by swap ever moves blocks to the CPU.
         swap = self.config.scheduler_config.preemption_mode == "swap"
         num_cpu = int(cache.swap_space_gib * _GIB) // block_bytes if swap else 0
@@ -143,6 +149,13 @@ class Worker:
         self.cache_engine = CacheEngine(cache, self.config.model_config, self.device,
                                         self.shard.num_kv_heads)
         self.model_runner.kv_caches = self.cache_engine.device_cache
+        draft = self.model_runner.draft
+        if draft is not None:  # the same block ids; never swapped (a swapped-in sequence
+            # recomputes its draft KV), so no CPU blocks
+            self.draft_cache_engine = CacheEngine(
+                dataclasses.replace(cache, num_cpu_blocks=0), draft.model_config, self.device,
+                draft.num_kv_heads)
+            draft.kv_caches = self.draft_cache_engine.device_cache
         log.info("kv cache ready", device_blocks=num_device_blocks, cpu_blocks=num_cpu_blocks,
                  block_size=cache.block_size,
                  attention_backend=self.model_runner.attn_backend.name)
@@ -188,6 +201,9 @@ class Worker:
         runner = self.model_runner
         runner.decode_graphs = None  # they read the cache being dropped
         runner.kv_caches = None
+        if runner.draft is not None:
+            runner.draft.kv_caches = None
+        self.draft_cache_engine = None
         runner.seqs.clear()
         runner.requests.clear()
         runner.fan_out.clear()
