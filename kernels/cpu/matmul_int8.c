@@ -11,7 +11,8 @@
  * fp32 in registers and multiplied with FMA (AVX-512). bf16 x with 16 rows and more: each panel
  * is widened once into bf16 tiles (exact: int8 values are bf16 values) that stay in L2 while
  * the rows pass them on AMX; the scale is applied to the fp32 sums.
- * Everywhere else a plain C loop over the same layout.
+ * Everywhere else (no AVX-512 with VBMI for weight-only, no VNNI for w8a8) a plain C loop over
+ * the same layout.
  *
  * Layout (packed in Python, kernels/cpu/__init__.py): K is zero-padded to a multiple of 64 and
  * N to whole panels of 32 output columns. A panel is K/64 steps of two 1 KiB tiles; tile row r
@@ -194,8 +195,7 @@ static void portable_weight_only(const float *xf, int64_t m, const int8_t *packe
 
 /* -- AVX-512 ---------------------------------------------------------------------------------- */
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) \
-    && defined(__AVX512VBMI__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define HAVE_AVX512 1
 #include <immintrin.h>
 #include <omp.h>
@@ -265,6 +265,9 @@ static inline void prefetch_step(const int8_t *b, int r) {
     _mm_prefetch((const char *)(b + PREFETCH_STEPS * STEP_BYTES + TILE_BYTES + r * 64),
                  _MM_HINT_T0);
 }
+
+#if defined(__AVX512VBMI__) /* the byte permutation below */
+#define HAVE_WEIGHT_ONLY_AVX512 1
 
 /* Weight-only: panel p widened to fp32, k-major: out[k][32] (tile 0's columns, then tile 1's).
  * An int8 tile row is 16 columns x 4 k; a byte permutation makes it 4 k x 16 columns. */
@@ -403,6 +406,7 @@ static int avx512_weight_only(const float *xf, int64_t m, const int8_t *packed,
     free(widened);
     return 0;
 }
+#endif /* VBMI */
 
 #if defined(__AVX512VNNI__)
 #define HAVE_VNNI 1
@@ -665,7 +669,7 @@ static int amx_weight_only(const uint16_t *x, int64_t x_stride, int64_t m, const
 /* Bit (1 << path) for each path built here and usable on this CPU. */
 int matmul_int8_paths(void) {
     int paths = 1 << PATH_PORTABLE;
-#ifdef HAVE_AVX512
+#ifdef HAVE_WEIGHT_ONLY_AVX512
     paths |= 1 << PATH_AVX512;
 #endif
 #ifdef HAVE_VNNI
@@ -733,7 +737,7 @@ int matmul_int8(const void *x, int64_t x_stride, int64_t m, int bf16, const int8
     float *xf = aligned_alloc(64, (size_t)(m * s.kp) * sizeof(float));
     if (!xf) return -3;
     widen_rows(x, x_stride, m, &s, xf);
-#ifdef HAVE_AVX512
+#ifdef HAVE_WEIGHT_ONLY_AVX512
     if (path == PATH_AVX512) rc = avx512_weight_only(xf, m, packed, ws, bias, &s, y, y_cols);
     else
 #endif

@@ -4,6 +4,8 @@ import argparse
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench", required=True)
+    from ops.bench import spec
+    spec.add_arguments(sub.add_parser("spec", help=spec.__doc__.split("\n")[0]))
     from ops.bench import kernels, latency, parallel, serve, throughput
     throughput.add_arguments(sub.add_parser("throughput", help=throughput.__doc__.split("\n")[0]))
     serve.add_arguments(sub.add_parser("serve", help=serve.__doc__.split("\n")[0]))
@@ -28,4 +30,7 @@ def run(args: argparse.Namespace) -> int:
     if args.bench == "latency":
         from ops.bench import latency
         return latency.run(args)
+    if args.bench == "spec":
+        from ops.bench import spec
+        return spec.run(args)
     raise SystemExit(f"unknown benchmark {args.bench}")
