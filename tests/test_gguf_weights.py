@@ -12,6 +12,7 @@ import torch
 
 from kernels import cpu as cpu_kernels
 from pagoda import LLM, SamplingParams
+from services.worker.models import gguf_weights
 from services.worker.models.gguf_weights import (Q4_0, Q4_1, Q8_0, GGUFWeight, allocate_part,
                                                  fill_from_blocks)
 from services.worker.models.linear import Linear
@@ -130,11 +131,9 @@ def _model(llm: LLM):
     return llm.llm_engine.executor.worker.model_runner.model
 
 
-def _greedy_agreement(ref: LLM, llm: LLM, label: str) -> int:
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=TOP_K,
-                            ignore_eos=True)
-    a_out = ref.generate(PROMPTS, params, use_tqdm=False)
-    b_out = llm.generate(PROMPTS, params, use_tqdm=False)
+def _greedy_agreement(ref, llm: LLM, label: str) -> int:
+    a_out = ref.generate(PROMPTS, _greedy_params(), use_tqdm=False)
+    b_out = llm.generate(PROMPTS, _greedy_params(), use_tqdm=False)
     agreeing, lines = 0, []
     for i, (a, b) in enumerate(zip(a_out, b_out)):
         ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
@@ -170,26 +169,62 @@ def test_the_gguf_model_holds_the_files_blocks(gguf_llm):
     assert held == matrices  # the file's bytes per weight
 
 
-def test_gguf_q4_1_greedy_and_perplexity_match_the_dequantized_file(llm, gguf_llm, tokenizer):
+def _kernel_perplexity(llm: LLM, token_ids: list[int], monkeypatch) -> float:
+    """Perplexity with every matmul on the quantized kernel, the prompt's rows included (by
+    default a prompt runs a dequantized temporary and the dense matmul: the same weights as
+    the dequantized file, so its perplexity is that file's to rounding)."""
+    with monkeypatch.context() as m:
+        m.setattr(gguf_weights, "KERNEL_MAX_ROWS", {torch.float32: 1 << 30,
+                                                    torch.bfloat16: 1 << 30})
+        return perplexity(llm, token_ids)
+
+
+def test_gguf_q4_1_greedy_and_perplexity_match_the_dequantized_file(llm, gguf_llm, tokenizer,
+                                                                     monkeypatch):
+    """Against the session `llm`: the same file dequantized on load (today's default path)."""
     assert _greedy_agreement(llm, gguf_llm, "Q4_1") >= MIN_AGREEING
     token_ids = tokenizer.encode(TEXT)
-    ref, q = perplexity(llm, token_ids), perplexity(gguf_llm, token_ids)
-    print(f"Q4_1 perplexity over {len(token_ids)} tokens: dequantized {ref:.4f}, packed {q:.4f} "
-          f"({100 * (q / ref - 1):+.2f}%)")
+    ref, q = perplexity(llm, token_ids), _kernel_perplexity(gguf_llm, token_ids, monkeypatch)
+    print(f"Q4_1 perplexity over {len(token_ids)} tokens: dequantized {ref:.4f}, packed "
+          f"(kernel on every row) {q:.4f} ({100 * (q / ref - 1):+.2f}%)")
     assert abs(q / ref - 1) <= 0.02
 
 
-def test_gguf_q8_0_copy_greedy_and_perplexity_match_the_dequantized_file(q8_file, tokenizer):
-    dense = LLM(model=q8_file, kv_cache_space_gib=0.25, swap_space=0.05)
+def test_gguf_q8_0_copy_greedy_and_perplexity_match_the_dequantized_file(q8_file, tokenizer,
+                                                                         monkeypatch):
+    """The reference is the same packed model with the kernel off: each matmul then runs the
+    weight dequantized exactly as gguf dequantizes it (test_gguf_dequantize_is_ggufs_own), the
+    values a dequantizing load of the file holds, without loading the file a second time."""
     packed = LLM(model=q8_file, quantization="gguf", kv_cache_space_gib=0.25, swap_space=0.05)
     assert {p.qtype for m in _model(packed).modules() if isinstance(m, Linear)
             for p in m.packed.gguf.parts} == {Q8_0}
+    with monkeypatch.context() as m:
+        m.setattr(gguf_weights, "KERNEL_MAX_ROWS", {})
+        dense = _Outputs(packed)
     assert _greedy_agreement(dense, packed, "Q8_0") >= MIN_AGREEING
     token_ids = tokenizer.encode(TEXT)
-    ref, q = perplexity(dense, token_ids), perplexity(packed, token_ids)
-    print(f"Q8_0 perplexity over {len(token_ids)} tokens: dequantized {ref:.4f}, packed {q:.4f} "
-          f"({100 * (q / ref - 1):+.2f}%)")
+    with monkeypatch.context() as m:
+        m.setattr(gguf_weights, "KERNEL_MAX_ROWS", {})
+        ref = perplexity(packed, token_ids)
+    q = _kernel_perplexity(packed, token_ids, monkeypatch)
+    print(f"Q8_0 perplexity over {len(token_ids)} tokens: dequantized {ref:.4f}, packed "
+          f"(kernel on every row) {q:.4f} ({100 * (q / ref - 1):+.2f}%)")
     assert abs(q / ref - 1) <= 0.02
+
+
+class _Outputs:
+    """An LLM's greedy outputs for PROMPTS, generated once, standing in for it in
+    `_greedy_agreement`."""
+
+    def __init__(self, llm: LLM):
+        self._outputs = llm.generate(PROMPTS, _greedy_params(), use_tqdm=False)
+
+    def generate(self, prompts, params, use_tqdm=False):
+        return self._outputs
+
+
+def _greedy_params() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=TOP_K, ignore_eos=True)
 
 
 # --- memory ----------------------------------------------------------------------------------------

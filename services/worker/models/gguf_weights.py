@@ -78,12 +78,9 @@ class GGUFWeight:
             out = cpu_kernels.gguf_dequantize(part.qtype, part.qs, part.d, part.m,
                                               self.in_features, kernel_dtype, ids)
         else:
-            out = torch.cat([cpu_kernels.gguf_dequantize(p.qtype, p.qs, p.d, p.m,
-                                                         self.in_features, kernel_dtype)
-                             for p in self.parts]) if len(self.parts) > 1 else \
-                cpu_kernels.gguf_dequantize(self.parts[0].qtype, self.parts[0].qs,
-                                            self.parts[0].d, self.parts[0].m, self.in_features,
-                                            kernel_dtype)
+            outs = [cpu_kernels.gguf_dequantize(p.qtype, p.qs, p.d, p.m, self.in_features,
+                                                kernel_dtype) for p in self.parts]
+            out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out if out.dtype == dtype else out.to(dtype)
 
 
