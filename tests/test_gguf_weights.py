@@ -91,6 +91,29 @@ def test_gguf_matmul_equals_the_dequantized_weight(gguf_path, qtype, k, n, dtype
         assert (out - plain).abs().max().item() <= 0.05 * scale
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gguf_linear_of_a_fused_weight_of_two_types_on_decode_and_prompt_rows(dtype):
+    """Parts of different types fill their own output columns; above KERNEL_MAX_ROWS rows the
+    weight is dequantized into a temporary and the dense matmul runs."""
+    top, top_dense = _weight(Q4_1, 40, 96, seed=1)
+    low, low_dense = _weight(Q8_0, 24, 96, seed=2)
+    low.parts[0].row0 = 40
+    weight = GGUFWeight(96, top.parts + low.parts)
+    dense = torch.cat([top_dense, low_dense])
+    assert torch.equal(weight.dequantize(torch.float32), dense)
+    bias = torch.randn(64).to(dtype)
+    limit = gguf_weights.KERNEL_MAX_ROWS[dtype]
+    for rows in (1, limit, limit + 1):
+        x = torch.randn(2, rows, 96).to(dtype)  # leading dims kept
+        out = gguf_weights.gguf_linear(x, weight, bias)
+        assert out.shape == (2, rows, 64) and out.dtype == dtype
+        flat = x.reshape(-1, 96)
+        act = _quantized_activations(flat) if 2 * rows <= limit else flat.float()
+        ref = act.double() @ dense.double().T + bias.double()
+        err = (out.reshape(-1, 64).double() - ref).abs().max().item()
+        assert err <= (2e-5 if dtype == torch.float32 else 8e-3) * ref.abs().max().item()
+
+
 @pytest.mark.parametrize("qtype", TYPES.values(), ids=TYPES.keys())
 def test_gguf_dequantize_is_ggufs_own(qtype):
     weight, dense = _weight(qtype, 37, 96, seed=qtype)
