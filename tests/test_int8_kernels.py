@@ -14,8 +14,8 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.int8_kernels_available(),
 
 ROWS = [1, 3, 16, 17, 64, 130]  # below, at and past the AMX threshold (16) and tile rows (32)
 SHAPES = [(64, 64), (100, 33), (48, 100), (576, 1536)]  # (K, N)
-# (mode, path): the paths each mode has (w8a8 has no plain AVX-512 path, weight-only no VNNI).
-MODE_PATHS = [("int8", "portable"), ("int8", "avx512"), ("int8", "amx"),
+# (mode, path): the paths each mode has (w8a8 has no plain AVX-512 path).
+MODE_PATHS = [("int8", "portable"), ("int8", "avx512"), ("int8", "vnni"), ("int8", "amx"),
               ("w8a8", "portable"), ("w8a8", "vnni"), ("w8a8", "amx")]
 DTYPES = [torch.bfloat16, torch.float32]
 # Weight-only AMX takes bf16 activations only (fp32 is refused: the last test).
@@ -53,7 +53,8 @@ def _skip_unless_here(mode: str, path: str, dtype: torch.dtype) -> None:
 
 
 def _tolerance(dtype: torch.dtype, mode: str, ref: torch.Tensor) -> float:
-    # bf16: the output's rounding, 2^-8 of its size. fp32 weight-only: summation order only.
+    # bf16: the output's rounding, 2^-8 of its size. fp32 weight-only: summation order (and on
+    # VNNI x's 24-bit fixed point, 2^-24 of its row's largest).
     # fp32 w8a8: also x * (1 / s) one ulp off torch's now and then, which moves a q by one.
     rel = {torch.bfloat16: 8e-3, torch.float32: 2e-5 if mode == "int8" else 1e-3}[dtype]
     return rel * ref.abs().max().item()
@@ -120,9 +121,10 @@ def test_int8_matmul_refuses_what_a_path_cannot_run():
     packed = cpu_kernels.pack_int8_weight(q)
     x = torch.randn(2, 64)
     sums = q.sum(dim=1, dtype=torch.int32)
-    for w8a8, path in [(False, "vnni"), (True, "avx512"), (False, "amx")]:  # amx: fp32 x
+    # weight-only VNNI without the weight sums; w8a8 has no AVX-512 path; AMX with fp32 x
+    for w8a8, path, s in [(False, "vnni", None), (True, "avx512", sums), (False, "amx", sums)]:
         with pytest.raises(RuntimeError, match=f"path '{path}' does not run here"):
-            cpu_kernels.int8_linear(x, packed, scale, sums, None, 64, w8a8=w8a8, path=path)
+            cpu_kernels.int8_linear(x, packed, scale, s, None, 64, w8a8=w8a8, path=path)
     with pytest.raises(ValueError, match="does not fit a packed weight"):
         cpu_kernels.int8_linear(torch.randn(2, 65), packed, scale, None, None, 64)
     with pytest.raises(ValueError, match="gate_up weight needs an even number"):

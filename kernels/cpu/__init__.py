@@ -486,13 +486,14 @@ _int8_path = "auto"
 
 def int8_paths(w8a8: bool) -> list[str]:
     """The int8 matmul paths this machine runs for one mode: "portable" wherever the kernels
-    build; weight-only "avx512" (fp32 FMA on widened weights) and "amx" (bf16 tiles, bf16
-    activations only); w8a8 "vnni" and "amx" (AMX-INT8), each where the CPU has it."""
+    build; weight-only "avx512" (fp32 FMA on widened weights), "vnni" (activations in 24-bit
+    fixed point, three byte planes) and "amx" (bf16 tiles, bf16 activations only); w8a8 "vnni"
+    and "amx" (AMX-INT8); each where the CPU has it."""
     lib = load()
     if lib is None:
         return []
     mask = lib.matmul_int8_paths()
-    usable = ("portable", "vnni", "amx") if w8a8 else ("portable", "avx512", "amx")
+    usable = ("portable", "vnni", "amx") if w8a8 else INT8_PATHS
     return [p for i, p in enumerate(INT8_PATHS, 1) if mask >> i & 1 and p in usable]
 
 
@@ -561,7 +562,8 @@ def int8_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     """x [..., K] (bf16 or fp32) @ (q * scale[:, None])^T (+ bias) in x's dtype, q packed by
     `pack_int8_weight`, scale fp32 [N]: [..., out_features], or [..., out_features / 2] =
     SiLU(gate) * up for a `gate_up` weight. `w8a8` quantizes each row of x to int8 first (one
-    scale per row) and needs weight_sums = q.sum(1) int32 [N]. `path` overrides
+    scale per row). weight_sums = q.sum(1) int32 [N] is needed by the VNNI paths (w8a8 always;
+    without it weight-only skips VNNI). `path` overrides
     `set_int8_path`; the result is written into `out` (contiguous, 2-d) when given."""
     rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if rows.stride(1) != 1:

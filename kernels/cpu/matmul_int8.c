@@ -7,12 +7,13 @@
  * AVX-512 VNNI, which multiplies unsigned by signed bytes: x + 128 goes in, and the
  * 128 * sum(q) that adds (per channel, computed at packing) comes off. 16 rows and more run on
  * AMX-INT8 tiles (signed by signed).
- * int8 (weight-only): x keeps its precision. Few rows, or fp32 x: the weights are widened to
- * fp32 in registers and multiplied with FMA (AVX-512). bf16 x with 16 rows and more: each panel
- * is widened once into bf16 tiles (exact: int8 values are bf16 values) that stay in L2 while
- * the rows pass them on AMX; the scale is applied to the fp32 sums.
- * Everywhere else (no AVX-512 with VBMI for weight-only, no VNNI for w8a8) a plain C loop over
- * the same layout.
+ * int8 (weight-only): x keeps its precision. bf16 x with 16 rows and more: each panel is widened
+ * once into bf16 tiles (exact: int8 values are bf16 values) that stay in L2 while the rows pass
+ * them on AMX; the scale is applied to the fp32 sums. Otherwise, with VNNI: x in 24-bit fixed
+ * point per row, three byte planes through VNNI (see vnni_weight_only); without: the weights
+ * widened to fp32 and multiplied with FMA (AVX-512).
+ * Everywhere else (no VNNI nor AVX-512 with VBMI for weight-only, no VNNI for w8a8) a plain C
+ * loop over the same layout.
  *
  * Layout (packed in Python, kernels/cpu/__init__.py): K is zero-padded to a multiple of 64 and
  * N to whole panels of 32 output columns. A panel is K/64 steps of two 1 KiB tiles; tile row r
@@ -36,6 +37,7 @@
 #define ROW_CHUNK 256     /* rows whose activations stay in L2 while every panel passes */
 #define PREFETCH_STEPS 4  /* steps (2 KiB each) ahead */
 #define AMX_MIN_ROWS 16   /* fewer rows than one A tile: the vector paths are faster */
+#define FIXED_MAX_K 32768 /* weight-only VNNI: int32 sums of 255 * 127 * K stay in range */
 
 enum { PATH_AUTO = 0, PATH_PORTABLE = 1, PATH_AVX512 = 2, PATH_VNNI = 3, PATH_AMX = 4 };
 
@@ -479,6 +481,122 @@ static void vnni_w8a8(const int8_t *xq, const float *xs, int64_t m, const int8_t
         }
     }
 }
+
+/* Weight-only on VNNI: each row of x becomes 24-bit fixed point against its max,
+ * x ~ s * (x2 * 2^16 + u1 * 2^8 + u0), s = max|x| / (2^23 - 1), in three byte planes (x2 signed,
+ * u1 and u0 unsigned): three u8 x s8 products per weight instead of a widening to fp32. bf16
+ * activations down to 2^-16 of their row's largest are exact in it, and the rounding of the
+ * rest, 2^-24 of the largest, is that of an fp32 sum. The sums stay within int32 for K up to
+ * FIXED_MAX_K. */
+#define FIXED_ROWS 4
+
+static void fixed_point_row(const void *x, int64_t k, int64_t kp, int bf16, int8_t *planes,
+                            float *scale) {
+    float amax = 0.0f;
+    for (int64_t j = 0; j < k; j++) {
+        const float a = fabsf(load_value(x, j, bf16));
+        amax = a > amax ? a : amax;
+    }
+    const float s = amax > 0.0f ? amax / 8388607.0f : 1.0f;
+    const float inv = 1.0f / s;
+    for (int64_t j = 0; j < kp; j++) {
+        int32_t v = j < k ? (int32_t)rintf(load_value(x, j, bf16) * inv) : 0;
+        v = v > 8388607 ? 8388607 : (v < -8388607 ? -8388607 : v);
+        planes[j] = (int8_t)(uint8_t)(v & 255);
+        planes[kp + j] = (int8_t)(uint8_t)((v >> 8) & 255);
+        planes[2 * kp + j] = (int8_t)(v >> 16);
+    }
+    *scale = s;
+}
+
+static inline __attribute__((always_inline)) void fixed_rows(
+        const shape_t *s, int64_t p, const int8_t *panel, const int8_t *xp, const float *xs,
+        const int rows, const float *ws, const int32_t *wsum, const void *bias, void *y,
+        int64_t y_row_bytes, int prefetch) {
+    __m512i acc[FIXED_ROWS][3][2];
+    for (int i = 0; i < rows; i++)
+        for (int l = 0; l < 3; l++) acc[i][l][0] = acc[i][l][1] = _mm512_setzero_si512();
+    const __m512i flip = _mm512_set1_epi32((int32_t)0x80808080u);
+    const int64_t kp = s->kp;
+    for (int64_t st = 0; st < s->steps; st++) {
+        const int8_t *b = panel + st * STEP_BYTES;
+        const int8_t *xk = xp + st * KSTEP;
+        for (int r = 0; r < 16; r++) {
+            if (prefetch) prefetch_step(b, r);
+            const __m512i w0 = _mm512_loadu_si512(b + r * 64);
+            const __m512i w1 = _mm512_loadu_si512(b + TILE_BYTES + r * 64);
+            for (int i = 0; i < rows; i++)
+                for (int l = 0; l < 3; l++) {
+                    int32_t four;
+                    memcpy(&four, xk + (3 * i + l) * kp + 4 * r, 4);
+                    __m512i a = _mm512_set1_epi32(four);
+                    if (l == 2) a = _mm512_xor_si512(a, flip);  /* x2 + 128 */
+                    acc[i][l][0] = _mm512_dpbusd_epi32(acc[i][l][0], a, w0);
+                    acc[i][l][1] = _mm512_dpbusd_epi32(acc[i][l][1], a, w1);
+                }
+        }
+    }
+    __m512 s0, s1;
+    panel_scales(ws, s, p, &s0, &s1);
+    const __m512i c0 = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(
+        first_lanes(real_cols(s, p, 0)), wsum + first_col(s, p, 0)), 7);
+    const __m512i c1 = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(
+        first_lanes(real_cols(s, p, 1)), wsum + first_col(s, p, 1)), 7);
+    for (int i = 0; i < rows; i++) {
+        __m512 v[2];
+        for (int t = 0; t < 2; t++) {
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][2][t], t ? c1 : c0));
+            const __m512 mid = _mm512_cvtepi32_ps(acc[i][1][t]);
+            const __m512 lo = _mm512_cvtepi32_ps(acc[i][0][t]);
+            v[t] = _mm512_fmadd_ps(hi, _mm512_set1_ps(65536.0f),
+                                   _mm512_fmadd_ps(mid, _mm512_set1_ps(256.0f), lo));
+        }
+        const __m512 xsv = _mm512_set1_ps(xs[i]);
+        finish_row(_mm512_mul_ps(v[0], _mm512_mul_ps(s0, xsv)),
+                   _mm512_mul_ps(v[1], _mm512_mul_ps(s1, xsv)), s, p, bias,
+                   (char *)y + i * y_row_bytes);
+    }
+}
+
+static int vnni_weight_only(const void *x, int64_t x_stride, int64_t m, const int8_t *packed,
+                            const float *ws, const int32_t *wsum, const void *bias,
+                            const shape_t *s, void *y, int64_t y_cols) {
+    const int64_t row_bytes = y_cols * (s->bf16 ? 2 : 4), kp = s->kp;
+    const size_t esize = s->bf16 ? 2 : 4;
+    int8_t *planes = aligned_alloc(64, (size_t)(3 * m * kp));
+    float *xs = malloc((size_t)m * sizeof(float));
+    if (!planes || !xs) {
+        free(planes), free(xs);
+        return -3;
+    }
+    #pragma omp parallel for schedule(static) if(m * s->k >= PARALLEL_GRAIN)
+    for (int64_t i = 0; i < m; i++)
+        fixed_point_row((const char *)x + i * x_stride * esize, s->k, kp, s->bf16,
+                        planes + 3 * i * kp, xs + i);
+    #pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < s->panels; p++) {
+        const int8_t *panel = packed + p * s->steps * STEP_BYTES;
+        for (int64_t r0 = 0; r0 < m; r0 += FIXED_ROWS) {
+            const int64_t left = m - r0;
+            const int8_t *x0 = planes + 3 * r0 * kp;
+            const float *xs0 = xs + r0;
+            char *y0 = (char *)y + r0 * row_bytes;
+            const int first = r0 == 0;
+            switch (left >= FIXED_ROWS ? FIXED_ROWS : left) {
+#define FIXED_CASE(R)                                                                            \
+            case R: fixed_rows(s, p, panel, x0, xs0, R, ws, wsum, bias, y0, row_bytes, first);   \
+                break;
+            FIXED_CASE(1) FIXED_CASE(2) FIXED_CASE(3)
+#undef FIXED_CASE
+            default: fixed_rows(s, p, panel, x0, xs0, FIXED_ROWS, ws, wsum, bias, y0, row_bytes,
+                                first);
+                break;
+            }
+        }
+    }
+    free(planes), free(xs);
+    return 0;
+}
 #endif /* VNNI */
 
 /* -- AMX -------------------------------------------------------------------------------------- */
@@ -682,9 +800,10 @@ int matmul_int8_paths(void) {
 }
 
 /* y [m, n] (or [m, n / 2] with gate_up) from x [m, k] (rows x_stride elements apart), the weight
- * packed as above with fp32 channel scales ws [n] and, for w8a8, the channel weight sums
- * wsum [n]. path: PATH_* (auto: AMX from 16 rows where it runs, else the fastest vector path;
- * w8a8 has no plain AVX-512 path, weight-only AMX needs bf16 x). Returns -1 for a bad shape, -2
+ * packed as above with fp32 channel scales ws [n] and the channel weight sums wsum [n] (needed
+ * by the VNNI paths). path: PATH_* (auto: AMX from 16 rows where it runs, else the fastest vector
+ * path (weight-only: VNNI under 16 rows, AVX-512 FMA from 16 with fp32 x); w8a8 has no plain
+ * AVX-512 path, weight-only AMX needs bf16 x). Returns -1 for a bad shape, -2
  * for a path that does not run here (or for this mode), -3 when out of memory. */
 int matmul_int8(const void *x, int64_t x_stride, int64_t m, int bf16, const int8_t *packed,
                 const float *ws, const int32_t *wsum, const void *bias, int64_t n, int64_t k,
@@ -694,12 +813,15 @@ int matmul_int8(const void *x, int64_t x_stride, int64_t m, int bf16, const int8
     const int have = matmul_int8_paths();
     if (path == PATH_AUTO) {
         const int amx = (have >> PATH_AMX & 1) && m >= AMX_MIN_ROWS && (w8a8 || bf16);
-        path = amx ? PATH_AMX : w8a8 ? ((have >> PATH_VNNI & 1) ? PATH_VNNI : PATH_PORTABLE)
-                                     : ((have >> PATH_AVX512 & 1) ? PATH_AVX512 : PATH_PORTABLE);
+        /* weight-only VNNI makes three passes per weight: from 16 rows FMA is faster */
+        const int vnni = (have >> PATH_VNNI & 1)
+                         && (w8a8 || (wsum && k <= FIXED_MAX_K && m < AMX_MIN_ROWS));
+        path = amx ? PATH_AMX : vnni ? PATH_VNNI
+             : (!w8a8 && (have >> PATH_AVX512 & 1)) ? PATH_AVX512 : PATH_PORTABLE;
     }
     if (path < PATH_PORTABLE || path > PATH_AMX || !(have >> path & 1)) return -2;
-    if ((w8a8 && path == PATH_AVX512) || (!w8a8 && path == PATH_VNNI)
-        || (!w8a8 && path == PATH_AMX && !bf16))
+    if ((w8a8 && path == PATH_AVX512) || (!w8a8 && path == PATH_AMX && !bf16)
+        || (!w8a8 && path == PATH_VNNI && (!wsum || k > FIXED_MAX_K)))
         return -2;
     if (m <= 0) return 0;
     const int64_t y_cols = gate_up ? s.half : n;
@@ -730,6 +852,10 @@ int matmul_int8(const void *x, int64_t x_stride, int64_t m, int bf16, const int8
         free(xq), free(xs);
         return rc;
     }
+#ifdef HAVE_VNNI
+    if (path == PATH_VNNI)
+        return vnni_weight_only(x, x_stride, m, packed, ws, wsum, bias, &s, y, y_cols);
+#endif
 #ifdef HAVE_AMX
     if (path == PATH_AMX)
         return amx_weight_only(x, x_stride, m, packed, ws, bias, &s, y, y_cols);
@@ -743,6 +869,5 @@ int matmul_int8(const void *x, int64_t x_stride, int64_t m, int bf16, const int8
 #endif
         portable_weight_only(xf, m, packed, ws, bias, &s, y, y_cols);
     free(xf);
-    (void)wsum;
     return rc;
 }

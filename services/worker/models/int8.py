@@ -3,7 +3,9 @@
 Each weight [out, in] is kept as int8 `q` with one fp32 scale per output row,
 `s = max|w_row| / 127` (symmetric, no zero point), so that w ~ q * s[:, None]; only q (a
 quarter of fp32, half of bf16) and s stay in memory.
-- int8: activations keep their dtype; the kernel widens the weights as it reads them.
+- int8: activations keep their dtype (on VNNI they go in as 24-bit fixed point per row, which
+  holds bf16 values down to 2^-16 of the row's largest exactly, and fp32 to an fp32 sum's
+  rounding).
 - w8a8: each row of activations is quantized to int8 too (its own scale, max|x| / 127, at every
   call), the products are summed in int32, and the output is acc * x_scale * w_scale.
 The kernels are kernels/cpu/matmul_int8.c: q is packed into its panels at load, and a gate/up
@@ -33,11 +35,12 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_weight(weight: torch.Tensor, gate_up: bool, w8a8: bool
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]:
-    """A CPU weight [out, in] -> (data, scale fp32 [out], weight sums int32 [out] for w8a8,
-    whether SiLU(gate) * up is fused). data is the kernel's panel layout (1-d), or q [out, in]
-    itself where the kernels do not run."""
+    """A CPU weight [out, in] -> (data, scale fp32 [out], weight sums int32 [out] (the VNNI
+    paths need them), whether SiLU(gate) * up is fused). data is the kernel's panel layout (1-d),
+    or q [out, in] itself where the kernels do not run."""
+    del w8a8  # the same weights serve both modes
     q, scale = quantize_rows(weight)
-    sums = q.sum(dim=1, dtype=torch.int32) if w8a8 else None
+    sums = q.sum(dim=1, dtype=torch.int32)
     if not cpu_kernels.int8_kernels_available():
         return host_copy(q), scale, sums, False
     fused = gate_up and q.shape[0] % 2 == 0

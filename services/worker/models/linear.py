@@ -42,7 +42,7 @@ class PackedWeight:
     out_features: int
     gate_up: bool = False  # [gate; up] packed so that the matmul returns SiLU(gate) * up
     scale: torch.Tensor | None = None
-    weight_sums: torch.Tensor | None = None  # w8a8: each row's sum of q, int32
+    weight_sums: torch.Tensor | None = None  # int8 / w8a8: each row's sum of q, int32
     gguf: GGUFWeight | None = None  # "gguf": the blocks (models/gguf_weights.py)
 
 
