@@ -14,7 +14,7 @@ from kernels import cpu as cpu_kernels
 from pagoda import LLM, SamplingParams
 from services.worker.models import gguf_weights
 from services.worker.models.gguf_weights import (Q4_0, Q4_1, Q8_0, GGUFWeight, allocate_part,
-                                                 fill_from_blocks)
+                                                 fill_from_blocks, fill_from_float)
 from services.worker.models.linear import Linear
 from shared.config import ConfigError, EngineArgs
 from shared.model_source import default_model_path
@@ -123,6 +123,18 @@ def test_gguf_dequantize_is_ggufs_own(qtype):
     assert torch.equal(weight.dequantize(torch.float32, ids), dense[ids])
     with pytest.raises(IndexError):
         weight.dequantize(torch.float32, torch.tensor([37]))
+
+
+def test_a_type_without_a_kernel_is_requantized_to_q8_0_within_half_a_step():
+    torch.manual_seed(0)
+    w = torch.randn(20, 64) * torch.logspace(-3, 1, 20)[:, None]
+    w[3, :32] = 0  # an all-zero block
+    part = allocate_part(Q8_0, 0, 20, 64)
+    fill_from_float(part, 0, w)
+    back = GGUFWeight(64, [part]).dequantize(torch.float32)
+    step = part.d.float().repeat_interleave(32, dim=1)
+    assert (back[3, :32] == 0).all()
+    assert ((back - w).abs() <= 0.5 * step * 1.01 + 1e-12).all()
 
 
 def test_gguf_quantization_config():
