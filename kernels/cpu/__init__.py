@@ -1,9 +1,10 @@
 """CPU kernels in C (built on first use, see build.py): paged decode attention, causal prefill
 attention for whole prompts, the KV cache write, the element-wise layer ops, greedy sampling,
-the bf16 matmul on AMX, int8 weight-only and w8a8 matmuls, and a bf16 decoder layer's work
-around attention chained into two calls. Each computes what its torch counterpart computes (kernels/reference.py for attention
-and the cache write, the modules of services/worker/models/llama.py and the sampler for the
-rest), which stands in for it where it cannot run: another device or dtype, no C compiler, or
+the bf16 matmul on AMX, int8 weight-only and w8a8 matmuls, matmuls on GGUF blocks
+(matmul_gguf.c), and a bf16 decoder layer's work around attention chained into two calls. Each
+computes what its torch counterpart computes (kernels/reference.py for attention and the cache
+write, the modules of services/worker/models/llama.py and the sampler for the rest), which
+stands in for it where it cannot run: another device or dtype, no C compiler, or
 PAGODA_CPU_KERNELS=0."""
 import ctypes
 from collections.abc import Callable
