@@ -173,8 +173,8 @@ def test_lookahead_blocks_of_rejected_proposals_are_freed_every_step(spec_llm):
     bm = engine.scheduler.block_manager
     stats = engine.get_stats().spec_decode
     rejected_before = stats.num_draft_tokens - stats.num_accepted_tokens
-    for i, prompt in enumerate(PROMPTS[:4]):
-        engine.add_request(f"kv-{i}", prompt, greedy(48))
+    for i, prompt in enumerate(PROMPTS[:3]):
+        engine.add_request(f"kv-{i}", prompt, greedy(32))
     while engine.has_unfinished_requests():
         engine.step()
         for group in engine.scheduler.running:
@@ -187,14 +187,14 @@ def test_lookahead_blocks_of_rejected_proposals_are_freed_every_step(spec_llm):
 
 
 def test_seeded_sampling_with_speculation_is_reproducible(spec_llm):
-    params = SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=24)
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=16)
     first = spec_llm.generate(PROMPTS[:2], params, use_tqdm=False)
     drafts_before = spec_llm.llm_engine.get_stats().spec_decode.num_drafts
     again = spec_llm.generate(PROMPTS[:2], params, use_tqdm=False)
     assert spec_llm.llm_engine.get_stats().spec_decode.num_drafts > drafts_before
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
     other = spec_llm.generate(PROMPTS[:2], SamplingParams(temperature=0.8, top_p=0.95, seed=99,
-                                                          max_tokens=24), use_tqdm=False)
+                                                          max_tokens=16), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in other] != [o.outputs[0].token_ids for o in first]
 
 
@@ -253,13 +253,13 @@ def test_served_stack_speculates_with_the_same_greedy_text_and_reports_it(llm, t
         port = s.getsockname()[1]
     engine_args = {"kv_cache_space_gib": 0.25, "max_model_len": 1024,
                    "speculative_config": json.dumps(NGRAM)}
-    prompts = PROMPTS[:4]
-    expected = [o.outputs[0].text for o in llm.generate(prompts, greedy(24), use_tqdm=False)]
+    prompts = PROMPTS[:2]
+    expected = [o.outputs[0].text for o in llm.generate(prompts, greedy(16), use_tqdm=False)]
     with LocalStack(engine_args=engine_args, run_dir=str(tmp_path / "run"), port=port) as stack:
         client = openai.OpenAI(base_url=stack.gateway_url + "/v1", api_key="none",
                                max_retries=0, timeout=120)
         model = client.models.list().data[0].id
-        texts = [client.completions.create(model=model, prompt=p, max_tokens=24,
+        texts = [client.completions.create(model=model, prompt=p, max_tokens=16,
                                            temperature=0).choices[0].text for p in prompts]
         metrics = httpx.get(stack.gateway_url + "/metrics", timeout=30).text
     assert texts == expected
@@ -280,18 +280,14 @@ DRAFT_LAYERS = 8
 
 
 @pytest.fixture(scope="module")
-def draft_folder(tmp_path_factory):
+def draft_folder(tmp_path_factory, reference, tokenizer):
     """The default model's first DRAFT_LAYERS layers (its embedding, final norm and head kept)
-    as a Hugging Face folder with the same tokenizer: a smaller model of the same vocabulary."""
+    as a Hugging Face folder with the same tokenizer: a smaller model of the same vocabulary.
+    Built from the session's transformers copy of the model (conftest's `reference`)."""
     import copy
 
     from transformers import AutoModelForCausalLM
-
-    from shared.model_source import resolve_model
-    from shared.tokenizer import get_tokenizer
-    source = resolve_model(None)
-    full = AutoModelForCausalLM.from_pretrained(source.folder, gguf_file=source.gguf_file,
-                                                dtype=torch.float32)
+    full = reference.model
     config = copy.deepcopy(full.config)
     config.num_hidden_layers = DRAFT_LAYERS
     if hasattr(config, "quantization_config"):  # loaded from GGUF; the copy is plain weights
@@ -301,7 +297,7 @@ def draft_folder(tmp_path_factory):
     assert not missing
     folder = tmp_path_factory.mktemp("draft")
     draft.save_pretrained(folder)
-    get_tokenizer(source.path).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
     return str(folder)
 
 
@@ -332,9 +328,11 @@ def test_draft_model_greedy_output_is_identical_to_plain_greedy(llm, draft_llm):
 
 
 def test_draft_model_seeded_sampling_is_reproducible(draft_llm):
-    params = SamplingParams(temperature=0.8, seed=5, max_tokens=16)
-    first = draft_llm.generate(PROMPTS[:2], params, use_tqdm=False)
-    again = draft_llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    params = SamplingParams(temperature=0.8, seed=5, max_tokens=12)
+    drafts_before = draft_llm.llm_engine.get_stats().spec_decode.num_drafts
+    first = draft_llm.generate(PROMPTS[:1], params, use_tqdm=False)
+    again = draft_llm.generate(PROMPTS[:1], params, use_tqdm=False)
+    assert draft_llm.llm_engine.get_stats().spec_decode.num_drafts > drafts_before
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
 
 
