@@ -3,9 +3,9 @@
 Each weight [out, in] is kept as int8 `q` with one fp32 scale per output row,
 `s = max|w_row| / 127` (symmetric, no zero point), so that w ~ q * s[:, None]; only q (a
 quarter of fp32, half of bf16) and s stay in memory.
-- int8: activations keep their dtype (on VNNI they go in as 24-bit fixed point per row, which
-  holds bf16 values down to 2^-16 of the row's largest exactly, and fp32 to an fp32 sum's
-  rounding).
+- int8: activations keep their dtype (under 16 rows on VNNI they go in as 24-bit fixed point
+  per row: bf16 values down to 2^-16 of the row's largest exactly, anything else rounded at
+  2^-24 of the largest).
 - w8a8: each row of activations is quantized to int8 too (its own scale, max|x| / 127, at every
   call), the products are summed in int32, and the output is acc * x_scale * w_scale.
 The kernels are kernels/cpu/matmul_int8.c: q is packed into its panels at load, and a gate/up
