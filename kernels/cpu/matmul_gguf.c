@@ -230,7 +230,9 @@ static inline __attribute__((always_inline)) void tile(
     const int q4 = qtype != GGUF_Q8_0, per_group = q4 ? 4 : 2;
     const float c = qtype == GGUF_Q4_0 ? -8.0f : -128.0f;
     __m512 acc[NT][4];
+    _Pragma("GCC unroll 4")
     for (int t = 0; t < NT; t++)
+        _Pragma("GCC unroll 4")
         for (int i = 0; i < MT; i++) acc[t][i] = _mm512_setzero_ps();
     const __m512i low4 = _mm512_set1_epi8(0x0f);
     for (int64_t g = 0; g < a->groups; g++) {
@@ -238,11 +240,13 @@ static inline __attribute__((always_inline)) void tile(
         const int bytes = count * (q4 ? 16 : 32);
         const __mmask64 mask = bytes == 64 ? ~(__mmask64)0 : (((__mmask64)1 << bytes) - 1);
         __m512i xa[4], xb[4];
+        _Pragma("GCC unroll 4")
         for (int i = 0; i < MT; i++) {
             const int8_t *q = a->q + (r0 + i) * a->q_row + g * (q4 ? 128 : 64);
             xa[i] = _mm512_maskz_loadu_epi8(mask, q);
             if (q4) xb[i] = _mm512_maskz_loadu_epi8(mask, q + bytes);
         }
+        _Pragma("GCC unroll 4")
         for (int t = 0; t < NT; t++) {
             const __m512i v = _mm512_maskz_loadu_epi8(mask, wq[t] + g * 64);
             const __m512 d = expand_halves(wd[t] + g * per_group, count, q4);
@@ -251,6 +255,7 @@ static inline __attribute__((always_inline)) void tile(
                 const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
                 if (qtype == GGUF_Q4_1) {
                     const __m512 m = expand_halves(wm[t] + g * per_group, count, q4);
+                    _Pragma("GCC unroll 4")
                     for (int i = 0; i < MT; i++) {
                         __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xa[i]);
                         s = _mm512_dpbusd_epi32(s, hi, xb[i]);
@@ -262,6 +267,7 @@ static inline __attribute__((always_inline)) void tile(
                     }
                 } else {
                     const __m512 cd = _mm512_mul_ps(d, _mm512_set1_ps(c));
+                    _Pragma("GCC unroll 4")
                     for (int i = 0; i < MT; i++) {
                         __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xa[i]);
                         s = _mm512_dpbusd_epi32(s, hi, xb[i]);
@@ -274,6 +280,7 @@ static inline __attribute__((always_inline)) void tile(
                 }
             } else {
                 const __m512 cd = _mm512_mul_ps(d, _mm512_set1_ps(c));
+                _Pragma("GCC unroll 4")
                 for (int i = 0; i < MT; i++) {
                     const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, xa[i]);
                     const int64_t at = ((r0 + i) * a->groups + g) * 16;
@@ -285,7 +292,9 @@ static inline __attribute__((always_inline)) void tile(
             }
         }
     }
+    _Pragma("GCC unroll 4")
     for (int t = 0; t < NT; t++)
+        _Pragma("GCC unroll 4")
         for (int i = 0; i < MT; i++) sums[t * 4 + i] = _mm512_reduce_add_ps(acc[t][i]);
 }
 
