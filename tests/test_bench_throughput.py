@@ -21,6 +21,9 @@ def test_bench_throughput_runs_both_systems_repeatedly_and_reports_the_ratio(
     real_run = throughput.PagodaRunner.run
     monkeypatch.setattr(throughput.PagodaRunner, "run",
                         lambda self, prompts: sent.append(prompts) or real_run(self, prompts))
+    # The real yardstick, on a smaller matmul for a shorter time than a benchmark's.
+    monkeypatch.setattr(throughput, "Yardstick", lambda dtype, device: yardstick.Yardstick(
+        dtype, device, lambda d, dev: yardstick.matmul_gflops(d, dev, n=512, seconds=0.2)))
     out = tmp_path / "throughput.json"
     parser = argparse.ArgumentParser()
     throughput.add_arguments(parser)
@@ -313,7 +316,7 @@ def test_a_stopped_peer_is_killed_with_its_children_at_close(monkeypatch):
         time.sleep(0.05)
     tree = throughput.process_tree(peer.proc.pid)
     assert len(tree) == 2
-    throughput.signal_tree(peer.proc.pid, signal.SIGSTOP)
+    peers.signal_tree(peer.proc.pid, signal.SIGSTOP)
     monkeypatch.setattr(peer.proc, "wait", lambda timeout=None, _wait=peer.proc.wait: _wait(
         timeout=min(timeout or 5, 5)))  # not two minutes: the sleeper ignores stdin's end
     peer.close()

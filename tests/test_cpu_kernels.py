@@ -603,7 +603,7 @@ def test_the_library_is_built_once_into_the_cache_dir_and_reused(tmp_path):
              for _ in range(2)]
     results, logs = [], ""
     for proc in procs:
-        stdout, stderr = proc.communicate(timeout=120)
+        stdout, stderr = proc.communicate(timeout=300)
         assert proc.returncode == 0, stderr
         results.append(json.loads(stdout.strip().splitlines()[-1]))
         logs += stdout + stderr
