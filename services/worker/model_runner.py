@@ -13,16 +13,17 @@ import torch
 
 from proto.messages import (ExecuteModelRequest, PromptLogprobs, SamplerOutput, SequenceData,
                             SequenceGroupMetadata)
-from shared.config import LoadConfig, PagodaConfig
+from shared.config import PagodaConfig
 from proto.messages import PLACEHOLDER
 from shared.sampling_params import SamplingParams
-from services.worker.attention import AttentionMetadata, get_attn_backend
+from services.worker.attention import get_attn_backend
 from services.worker.grammar import SequenceMatcher, feed, new_matcher
 from services.worker.logit_edits import (allows_other_than, apply_allowed_token_ids,
                                           apply_logit_bias)
 from services.worker.model_loader import load_model
-from services.worker.ngram_proposer import NgramProposer
-from services.worker.rejection_sampler import rejection_sample
+from services.worker.models.plain_rows import plain_step_rows
+from services.worker.profile_pass import profile_forward
+from services.worker.spec_decode import SpecDecoder
 from shared.tensor_parallel import TensorParallelShard, shard_for
 from services.worker.sampler import Sampler, compute_prompt_logprobs
 from services.worker.sampling_metadata import SamplingRow, SamplingTensors
@@ -100,25 +101,19 @@ class ModelRunner:
         # Structured output, set up when the first request that asks for it arrives.
         self.grammar_compiler = None  # GrammarCompilerPool
         self.grammar_masker = None  # GrammarMasker
-        # Speculative decoding's proposer: n-gram lookup, or a draft model (loaded with the
-        # target); both None: off.
-        spec = config.speculative_config
-        self.proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
-                                       spec.prompt_lookup_max)
-                         if spec is not None and spec.method == "ngram" else None)
-        self.draft = None  # DraftProposer
-        self._draft_probs = None  # this step's draft distributions, per proposal
-        self._proposing_rows: list[_Row] = []
+        # Speculative decoding (services/worker/spec_decode.py); None: off.
+        self.spec = SpecDecoder(config) if config.speculative_config is not None else None
+
+    @property
+    def draft(self):
+        """The speculative draft model's DraftProposer, if there is one."""
+        return None if self.spec is None else self.spec.draft
 
     def load_model(self) -> None:
         self.model = load_model(self.model_config, self.config.load_config, self.device,
                                 self.attn_backend, self.shard, self.group)
-        spec = self.config.speculative_config
-        if spec is not None and spec.method == "draft_model":
-            from services.worker.draft_proposer import DraftProposer
-            self.draft = DraftProposer(spec.draft_model_config, self.device, LoadConfig("auto"),
-                                       self.config.device_config.attention_backend,
-                                       self.block_size)
+        if self.spec is not None:
+            self.spec.load_draft()
 
     @property
     def samples(self) -> bool:
@@ -176,7 +171,11 @@ class ModelRunner:
             return out
         input_ids, positions, meta = prepare_inputs(rows, self.block_size, self.staging)
         forward = self.model if self.decode_graphs is None else self.decode_graphs
-        hidden = forward(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
+        # Quantized matmuls pick their path by rows: with proposals, the path of the step
+        # without them (services/worker/models/plain_rows.py).
+        num_proposed = sum(len(row.proposals or ()) for row in rows)
+        with plain_step_rows(len(input_ids) - num_proposed if num_proposed else None):
+            hidden = forward(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
 
         # 1) Which hidden rows need logits: the last token of every sequence that samples, and
         #    every position of a prompt chunk whose request asked for prompt logprobs.
@@ -193,17 +192,23 @@ class ModelRunner:
             if row.group.is_prompt and row.state.request.params.prompt_logprobs is not None:
                 prompt_lp_rows.append((row, offset))
             offset += row.num_tokens
+        logits = None  # [sampled rows, then every position of the verifying rows, vocab]
+        if sample_idx or spec_idx:
+            # One head call, as in a plain step, whose path it takes.
+            with plain_step_rows(len(sample_rows) + len(spec_rows) if spec_rows else None):
+                logits = self.model.compute_logits(hidden[sample_idx + spec_idx])
+        num_sampled = len(sample_idx)
         if sample_rows:
-            self._sample(rows=sample_rows, hidden=hidden[sample_idx], out=out)
+            self._sample(sample_rows, None if logits is None else logits[:num_sampled], out)
         if request.num_lookahead_slots:
             # Entries of the rows that did not speculate: nothing after their token.
             out.extra_token_ids = [[] for _ in out.seq_ids]
             out.extra_logprobs = [[] for _ in out.seq_ids]
             out.num_proposed = [0] * len(out.seq_ids)
         if spec_rows:
-            self._verify(spec_rows, hidden[spec_idx], out)
+            self.spec.verify(logits[num_sampled:], spec_rows, out)
         if request.num_lookahead_slots:
-            self._drop_lookahead_blocks(rows)
+            self.spec.drop_lookahead_blocks(rows)
         for row, start in prompt_lp_rows:
             self._prompt_logprobs(row, hidden[start:start + row.num_tokens], out)
         out.model_time_s = time.perf_counter() - t0
@@ -211,7 +216,6 @@ class ModelRunner:
 
     def _plan_rows(self, groups: list[SequenceGroupMetadata]) -> list[_Row]:
         prefills, verifies, decodes, candidates = [], [], [], []
-        self._draft_probs = None
         for group in groups:
             for sd in group.seq_data:
                 state = self.seqs[sd.seq_id]
@@ -219,88 +223,18 @@ class ModelRunner:
                 assert row.start + row.num_tokens <= len(state.token_ids), (
                     f"seq {sd.seq_id}: computing up to {row.start + row.num_tokens} "
                     f"but the worker holds {len(state.token_ids)} tokens")
-                if group.num_lookahead_slots and (self.proposer or self.draft):
+                if group.num_lookahead_slots and self.spec is not None:
                     candidates.append(row)
                 else:
                     (decodes if row.num_tokens == 1 else prefills).append(row)
-        for row in self._propose(candidates):
-            # Several tokens against the cache, as a prefill chunk: after the prefills.
-            (verifies if row.proposals else decodes).append(row)
+        if self.spec is not None:
+            for row in self.spec.propose(candidates):
+                # Several tokens against the cache, as a prefill chunk: after the prefills.
+                (verifies if row.proposals else decodes).append(row)
         return prefills + verifies + decodes
 
-    def _propose(self, rows: list[_Row]) -> list[_Row]:
-        """Proposals after each decode's token, appended to its sequence (for this step's
-        inputs; `_verify` keeps the accepted ones); a row without any stays a decode."""
-        if not rows:
-            return rows
-        for row in rows:
-            assert row.num_tokens == 1 and row.group.do_sample and row.start + 1 == len(
-                row.state.token_ids), f"seq {row.seq.seq_id}: lookahead slots on no decode"
-        limits = [row.group.num_lookahead_slots for row in rows]
-        self._proposing_rows = rows
-        if self.draft is not None:
-            proposals, self._draft_probs = self.draft.propose(
-                rows, limits, [self._sampling_row(row) for row in rows])
-        else:
-            proposals = [self.proposer.propose(row.state.token_ids, k)
-                         for row, k in zip(rows, limits)]
-        for row, props in zip(rows, proposals):
-            if props:
-                row.proposals = props
-                row.num_tokens += len(props)
-                row.state.token_ids.extend(props)
-        return rows
-
-    @staticmethod
-    def _sampling_row(row: _Row) -> SamplingRow:
-        """A decode's sampling row at its next token (no penalties: such rows never
-        speculate)."""
-        req = row.state.request
-        return SamplingRow(params=req.params, seed=req.seed, sample_index=row.state.sample_index,
-                           output_index=row.start + 1 - req.prompt_len, prompt_token_ids=[],
-                           output_token_ids=[])
-
-    def _verify(self, rows: list[_Row], hidden: torch.Tensor, out: SamplerOutput) -> None:
-        """Accept or reject each row's proposals (rejection_sampler.py) and keep what they
-        emit: the accepted proposals and one token of the target's."""
-        logits = self.model.compute_logits(hidden)  # [sum(1 + proposals), vocab]
-        draft_probs = self._draft_probs
-        if draft_probs is not None:
-            # The draft's distributions are in proposing order: put them in verifying order.
-            by_row, offset = {}, 0
-            for row in self._proposing_rows:
-                if row.proposals:
-                    by_row[id(row)] = range(offset, offset + len(row.proposals))
-                    offset += len(row.proposals)
-            draft_probs = draft_probs[[i for row in rows for i in by_row[id(row)]]]
-        verified = rejection_sample(logits, [r.proposals for r in rows],
-                                    [self._sampling_row(r) for r in rows], draft_probs)
-        for row, tokens, logprobs in zip(rows, verified.token_ids, verified.logprobs):
-            del row.state.token_ids[row.start + 1:]
-            row.state.token_ids.extend(tokens)
-            # Draft KV stays valid for the last token and the accepted proposals only.
-            row.state.num_draft_computed = min(row.state.num_draft_computed,
-                                               row.start + len(tokens))
-            out.seq_ids.append(row.seq.seq_id)
-            out.token_ids.append(tokens[0])
-            out.logprobs.append(logprobs[0])
-            out.top_token_ids.append([])
-            out.top_logprobs.append([])
-            out.extra_token_ids.append(tokens[1:])
-            out.extra_logprobs.append(logprobs[1:])
-            out.num_proposed.append(len(row.proposals))
-
-    def _drop_lookahead_blocks(self, rows: list[_Row]) -> None:
-        """The engine frees the blocks of a speculating sequence past those its tokens need
-        (BlockManager.free_lookahead); the block table here follows."""
-        bs = self.block_size
-        for row in rows:
-            if row.group.num_lookahead_slots:
-                del row.state.block_table[-(len(row.state.token_ids) // -bs):]
-
-    def _sample(self, rows: list[_Row], hidden: torch.Tensor, out: SamplerOutput) -> None:
-        # [num_rows, vocab], the model's dtype; None on a tensor-parallel follower.
-        logits = self.model.compute_logits(hidden)
+    def _sample(self, rows: list[_Row], logits: torch.Tensor | None, out: SamplerOutput) -> None:
+        """logits: [num_rows, vocab], the model's dtype; None on a tensor-parallel follower."""
         sampling_rows, owners, logit_index = [], [], []
         edited = []  # sampling rows whose request edits its logits (usually none)
         for i, row in enumerate(rows):
@@ -447,27 +381,20 @@ class ModelRunner:
     def profile_run(self, num_tokens: int, num_sampled_rows: int = 1) -> None:
         """One forward pass as large as a step can be, with no KV cache, to measure peak memory:
         `num_tokens` prompt tokens, logits for `num_sampled_rows` of them (a step samples at
-        most one row per sequence) and the sampler's float temporaries over those rows."""
-        num_tokens = max(2, num_tokens)
-        num_sampled_rows = max(1, min(num_sampled_rows, num_tokens))
-        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        positions = torch.arange(num_tokens, device=self.device)
-        z = torch.zeros(1, dtype=torch.long, device=self.device)
-        meta = AttentionMetadata(
-            num_prefills=1, num_prefill_tokens=num_tokens, num_decode_tokens=0,
-            slot_mapping=torch.zeros(num_tokens, dtype=torch.long, device=self.device),
-            query_start_loc=torch.tensor([0, num_tokens], device=self.device),
-            seq_lens=z + num_tokens, context_lens=z, block_tables=z.view(1, 1),
-            max_query_len=num_tokens, max_seq_len=num_tokens, block_size=self.block_size,
-            seq_lens_list=[num_tokens], query_lens_list=[num_tokens])
-        hidden = self.model(input_ids, positions, None, meta)
-        logits = self.model.compute_logits(hidden[-num_sampled_rows:])
+        most one row per sequence) and the sampler's float temporaries over those rows; with a
+        draft model, the draft's largest pass before it (SpecDecoder.profile_draft)."""
+        # The draft's pass first (a step runs it before the target's); what it keeps for
+        # verification is held while the target's runs.
+        held = self.spec.profile_draft(num_tokens, num_sampled_rows) if self.spec else None
+        logits = profile_forward(self.model, num_tokens, num_sampled_rows, self.device,
+                                 self.block_size)
         if logits is None:  # a tensor-parallel follower: the leader samples
             return
         # What the sampler's general path allocates beside the logits: a float copy, its
         # normaliser and the top candidates it sorts instead of the whole vocabulary.
         floats = logits.float()
         floats.log_softmax(-1).topk(min(1024, floats.shape[-1]), dim=-1)
+        del held
 
 
 def _to_host(result) -> tuple[list, list, list | None, list | None]:

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from services.worker.sampler import _mix32, exponential_race, filter_scores, noise_keys, uniform_noise
+from services.worker.sampler import (exponential_race, filter_scores, mix32, noise_keys,
+                                     uniform_noise)
 from services.worker.sampling_metadata import SamplingRow, SamplingTensors
 
 _ACCEPT_SALT = 0x5BD1E995  # the acceptance test's uniform: a stream apart from the draws'
@@ -84,7 +85,7 @@ def rejection_sample(logits: torch.Tensor, proposals: list[list[int]], rows: lis
         empty = torch.isinf(residual).all(dim=-1) & has_proposal_t
         residual[empty] = x[empty]
         residual[~has_proposal_t] = x[~has_proposal_t]  # the bonus position draws from p
-        u = uniform_noise(_mix32(noise_keys(t.seeds, t.sample_indices, t.output_indices)
+        u = uniform_noise(mix32(noise_keys(t.seeds, t.sample_indices, t.output_indices)
                                  ^ _ACCEPT_SALT), 1)[:, 0]
         accepted = torch.where(t.is_greedy, accepted, u < accept_prob)
         drawn = torch.where(t.is_greedy, argmax, exponential_race(residual, t))

@@ -194,7 +194,7 @@ def _cut_top_p(sorted_x: torch.Tensor, probs: torch.Tensor, top_p: torch.Tensor)
 # Counter-based noise. Values are 32-bit numbers held in int64; the multipliers are below 2**31,
 # so no product reaches 2**63 and nothing overflows on any device.
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
+def mix32(x: torch.Tensor) -> torch.Tensor:
     """A bijective 32-bit xorshift-multiply hash, in place on x (int64 holding 32-bit values)."""
     x.bitwise_xor_(x >> 15)
     x.mul_(0x2C1B3C6D).bitwise_and_(_MASK32)
@@ -206,15 +206,15 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 def noise_keys(seeds: torch.Tensor, sample_indices: torch.Tensor, output_indices: torch.Tensor
                ) -> torch.Tensor:
     """[N] int64 seeds (< 2**63), sample and output indices -> [N] 32-bit keys, one per draw."""
-    key = _mix32((seeds & _MASK32) ^ 0x9E3779B9)
-    key = _mix32(key ^ (seeds >> 32))
-    key = _mix32(key ^ (sample_indices & _MASK32))
-    return _mix32(key ^ (output_indices & _MASK32))
+    key = mix32((seeds & _MASK32) ^ 0x9E3779B9)
+    key = mix32(key ^ (seeds >> 32))
+    key = mix32(key ^ (sample_indices & _MASK32))
+    return mix32(key ^ (output_indices & _MASK32))
 
 
 def uniform_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[N] keys -> [N, vocab_size] float32 uniform in (0, 1), a pure function of (key, vocab id)."""
-    vocab_hash = _mix32(torch.arange(vocab_size, device=keys.device) ^ 0x85EBCA6B)  # [V]
-    bits = _mix32(keys[:, None] ^ vocab_hash[None, :])  # [N, V]
+    vocab_hash = mix32(torch.arange(vocab_size, device=keys.device) ^ 0x85EBCA6B)  # [V]
+    bits = mix32(keys[:, None] ^ vocab_hash[None, :])  # [N, V]
     # Small values stay exact in float32; rounding near 1 is clamped so 1 itself never appears.
     return bits.float().add_(0.5).mul_(2.0 ** -32).clamp_(max=_ONE_BELOW_1)

@@ -31,6 +31,7 @@ from kernels import cpu as cpu_kernels
 from services.worker.host_memory import host_copy, host_empty
 from services.worker.models.gguf_weights import GGUFWeight, gguf_linear
 from services.worker.models.int8 import QUANTIZATIONS, int8_linear, quantize_weight
+from services.worker.models.plain_rows import in_pieces, max_rows
 
 
 @dataclass
@@ -93,11 +94,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         return F.linear(x, weight, bias)
     if packed.kind == "amx":
         return cpu_kernels.amx_linear(x, packed.data, bias, packed.out_features, packed.gate_up)
+    # (Quantized: on the plain step's path in a speculative step, models/plain_rows.py.)
     if packed.kind == "gguf":
-        return gguf_linear(x, packed.gguf, bias)
+        return in_pieces(gguf_linear, x, max_rows("gguf", x), packed.gguf, bias)
     if packed.kind in QUANTIZATIONS:
-        return int8_linear(x, packed.data, packed.scale, packed.weight_sums, bias,
-                           packed.out_features, packed.gate_up, packed.kind == "w8a8")
+        return in_pieces(int8_linear, x, max_rows("int8", x), packed.data, packed.scale,
+                         packed.weight_sums, bias, packed.out_features, weight.shape[1],
+                         packed.gate_up, packed.kind == "w8a8")
     return torch.ops.mkldnn._linear_pointwise(x, packed.data, bias, "none", [], "")
 
 
