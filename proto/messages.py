@@ -49,7 +49,10 @@ class SequenceGroupMetadata:
     # Ids that end the request (EOS and stop token ids), masked while min_tokens is not reached;
     # sent with `sampling_params`.
     eos_token_ids: list[int] = field(default_factory=list)
-    # Per-request random stream: with the same seed the same tokens come out, whatever the batch.
+    # Per-request random stream: with the same seed the same tokens come out, whatever the batch;
+    # with speculative decoding on, only for the same batches: whether a step speculates (and
+    # so which draws a sampled request's tokens come from) depends on how many sequences decode
+    # in it (disable_by_batch_size) and on the blocks and token budget left.
     seed: int = 0
     # Speculative decoding: KV slots the engine reserved past this decode's token, so the worker
     # may verify up to this many proposed tokens after it (0: an ordinary step).

@@ -14,7 +14,8 @@ import structlog
 import torch
 
 from shared.model_source import ModelNotFoundError, ModelSource, resolve_model
-from shared.speculative import SpeculativeConfig, parse_speculative_config
+from shared.speculative import (SpeculativeConfig, parse_speculative_config,
+                                resolve_draft_model_config)
 
 
 class ConfigError(ValueError):
@@ -295,35 +296,9 @@ class EngineArgs:
             raise ConfigError("speculative_config", "does not run with tensor_parallel_size > 1 "
                                                     "yet")
         if spec.method == "draft_model":
-            spec.draft_model_config = self._draft_model_config(spec.model, hf_config, dtype,
-                                                               max_model_len)
+            spec.draft_model_config = resolve_draft_model_config(spec.model, hf_config, dtype,
+                                                                 max_model_len, self.seed)
         return spec
-
-    def _draft_model_config(self, path: str, hf_config, dtype: torch.dtype,
-                            max_model_len: int) -> ModelConfig:
-        """The draft's ModelConfig: a local Llama-family model whose token ids are the
-        target's, long enough for max_model_len, run in the target's dtype."""
-        try:
-            source = resolve_model(path)
-        except ModelNotFoundError as e:
-            raise ConfigError("speculative_config", f"draft model: {e}") from None
-        draft = load_hf_config(source)
-        model_type = getattr(draft, "model_type", None)
-        if model_type not in SUPPORTED_ARCHITECTURES:
-            raise ConfigError("speculative_config", f"draft model: architecture {model_type!r} "
-                                                    f"is not supported")
-        if draft.vocab_size != hf_config.vocab_size:
-            raise ConfigError("speculative_config", f"draft model: its vocabulary has "
-                                                    f"{draft.vocab_size} ids, the model's "
-                                                    f"{hf_config.vocab_size}: they must share "
-                                                    f"the tokenizer")
-        limit = getattr(draft, "max_position_embeddings", None) or 2048
-        if limit < max_model_len:
-            raise ConfigError("speculative_config", f"draft model: max_position_embeddings "
-                                                    f"{limit} is below max_model_len "
-                                                    f"{max_model_len}")
-        return ModelConfig(source=source, tokenizer=source.path, dtype=dtype, seed=self.seed,
-                           max_model_len=max_model_len, hf_config=draft)
 
     def _quantization(self, source: ModelSource) -> str | None:
         """The quantization to run: "auto" is gguf for a GGUF file (weights kept packed), none

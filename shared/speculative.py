@@ -17,6 +17,9 @@ METHODS = ("ngram", "draft_model")
 # Above this many decoding sequences in a step, speculation is off for the step: the batch is
 # then wide enough that verifying k extra tokens per sequence costs more than it saves.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+# The engine's health details carry accepted proposals per position as one key each: this
+# prefix, then the position (0-based); the gateway's /metrics reads them back.
+ACCEPTED_PER_POS_DETAIL = "spec_decode_num_accepted_tokens_pos_"
 _KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
          "disable_by_batch_size"}
 
@@ -79,6 +82,33 @@ def parse_speculative_config(value: str | dict | None) -> SpeculativeConfig | No
         method=method, num_speculative_tokens=k, prompt_lookup_max=lookup_max,
         prompt_lookup_min=lookup_min, model=model,
         disable_by_batch_size=integer("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE, 1))
+
+
+def resolve_draft_model_config(path: str, hf_config, dtype, max_model_len: int, seed: int):
+    """The draft's shared.config.ModelConfig: a local Llama-family model whose token ids are
+    the target's (`hf_config`), long enough for max_model_len, run in the target's dtype.
+    Raises ConfigError naming `speculative_config` otherwise."""
+    from shared.config import (SUPPORTED_ARCHITECTURES, ConfigError, ModelConfig,
+                               load_hf_config)
+    from shared.model_source import ModelNotFoundError, resolve_model
+    try:
+        source = resolve_model(path)
+    except ModelNotFoundError as e:
+        raise ConfigError(FIELD, f"draft model: {e}") from None
+    draft = load_hf_config(source)
+    model_type = getattr(draft, "model_type", None)
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise ConfigError(FIELD, f"draft model: architecture {model_type!r} is not supported")
+    if draft.vocab_size != hf_config.vocab_size:
+        raise ConfigError(FIELD, f"draft model: its vocabulary has {draft.vocab_size} ids, the "
+                                 f"model's {hf_config.vocab_size}: they must share the "
+                                 f"tokenizer")
+    limit = getattr(draft, "max_position_embeddings", None) or 2048
+    if limit < max_model_len:
+        raise ConfigError(FIELD, f"draft model: max_position_embeddings {limit} is below "
+                                 f"max_model_len {max_model_len}")
+    return ModelConfig(source=source, tokenizer=source.path, dtype=dtype, seed=seed,
+                       max_model_len=max_model_len, hf_config=draft)
 
 
 def may_speculate(params: SamplingParams, num_output_tokens: int) -> bool:

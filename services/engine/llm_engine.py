@@ -2,7 +2,7 @@
 import itertools
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import structlog
 
@@ -17,6 +17,7 @@ from services.engine.executor import Executor
 from shared.outputs import CompletionOutput, RequestOutput
 from services.engine.scheduler import ScheduledSequenceGroup, Scheduler, SchedulerOutputs
 from services.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from services.engine.spec_stats import SpecDecodeStats
 from services.engine.stop_checker import check_stop
 
 log = structlog.get_logger("engine")
@@ -44,30 +45,7 @@ class EngineStats:
     num_steps: int
     total_prompt_tokens: int
     total_generation_tokens: int
-    spec_decode: "SpecDecodeStats | None" = None  # with speculative decoding on
-
-
-@dataclass
-class SpecDecodeStats:
-    """Speculative decoding since the engine started (vLLM's spec_decode_* counters)."""
-    num_drafts: int = 0  # sequence-steps that verified at least one proposal
-    num_draft_tokens: int = 0  # proposals verified
-    num_accepted_tokens: int = 0  # proposals accepted
-    # accepted_per_pos[j]: drafts whose proposal j (0-based) was accepted
-    accepted_per_pos: list[int] = field(default_factory=list)
-    num_steps_off: int = 0  # steps that decoded too many sequences to speculate
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens a speculating sequence emits per step: its accepted proposals plus one."""
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
-
-    def acceptance_rate_per_pos(self) -> list[float]:
-        return [a / self.num_drafts if self.num_drafts else 0.0 for a in self.accepted_per_pos]
+    spec_decode: SpecDecodeStats | None = None  # with speculative decoding on
 
 
 class LLMEngine:
@@ -349,7 +327,7 @@ class LLMEngine:
         seq.fill_placeholder(token, result.logprobs[i], top)
         self._check_token(group, seq, token)
         if result.num_proposed and result.num_proposed[i]:
-            self._count_speculation(result.num_proposed[i], len(result.extra_token_ids[i]))
+            self.spec_stats.count(result.num_proposed[i], len(result.extra_token_ids[i]))
         extra = result.extra_token_ids[i] if result.extra_token_ids else []
         if extra:
             # No step is scheduled behind a speculative one: nothing is in flight after these.
@@ -370,14 +348,6 @@ class LLMEngine:
         bm = self.scheduler.block_manager
         bm.free_lookahead(seq)
         seq.num_blocks_sent = min(seq.num_blocks_sent, len(bm.get_block_table(seq)))
-
-    def _count_speculation(self, num_proposed: int, num_accepted: int) -> None:
-        stats = self.spec_stats
-        stats.num_drafts += 1
-        stats.num_draft_tokens += num_proposed
-        stats.num_accepted_tokens += num_accepted
-        for j in range(min(num_accepted, len(stats.accepted_per_pos))):
-            stats.accepted_per_pos[j] += 1
 
     def _check_token(self, group: SequenceGroup, seq: Sequence, token: int) -> None:
         """Count one new output token and check whether it ends the sequence."""

@@ -171,7 +171,7 @@ class EngineService:
                            gateways=self._live("gateway"), gateway_losses=self.gateway_losses,
                            dropped_on_arrival=self.dropped_on_arrival,
                            last_step_bytes=self.step_bytes[-1] if self.step_bytes else 0,
-                           **_spec_decode_details(s.spec_decode))
+                           **(s.spec_decode.health_details() if s.spec_decode else {}))
             stalled_s = self._stalled_s()
             if self.status == "ok" and stalled_s > self.stack.step_timeout_s:
                 # Alive is not the same as making progress: say so to every probe.
@@ -592,19 +592,6 @@ class EngineService:
         self.ctx.destroy(linger=0)
         unlink_ipc(self.stack.request_input, self.stack.tokenizer_input, self.stack.engine_input,
                    self.stack.worker_addr, self.stack.detokenizer_addr)
-
-
-def _spec_decode_details(stats) -> dict:
-    """Speculative decoding's counters for the health details (flat: one key per position)."""
-    if stats is None:
-        return {}
-    details = {"spec_decode_num_drafts": stats.num_drafts,
-               "spec_decode_num_draft_tokens": stats.num_draft_tokens,
-               "spec_decode_num_accepted_tokens": stats.num_accepted_tokens,
-               "spec_decode_num_steps_off": stats.num_steps_off}
-    for pos, accepted in enumerate(stats.accepted_per_pos):
-        details[f"spec_decode_num_accepted_tokens_pos_{pos}"] = accepted
-    return details
 
 
 def _prompt_delta(group) -> PromptDelta | None:

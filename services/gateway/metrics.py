@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 from proto.requests import HealthResponse
 from shared.outputs import RequestOutput
 from shared.sampling_params import SamplingParams
+from shared.speculative import ACCEPTED_PER_POS_DETAIL
 
 # Buckets of vLLM's histograms for the same quantities.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -78,7 +79,6 @@ _ENGINE_COUNTERS = {"pagoda:prefix_cache_queries": ("prefix_cache_queries",
                         "spec_decode_num_draft_tokens", "Proposed tokens verified"),
                     "pagoda:spec_decode_num_accepted_tokens": (
                         "spec_decode_num_accepted_tokens", "Proposed tokens accepted")}
-_ACCEPTED_PER_POS = "spec_decode_num_accepted_tokens_pos_"  # + position: a health detail each
 
 # service_up's services, and the health detail that counts each one's live processes.
 SERVICE_COUNTS = {"worker": "workers", "tokenizer": "tokenizers", "detokenizer": "detokenizers"}
@@ -114,8 +114,8 @@ class EngineTotals(Collector):
                                      "Proposed tokens accepted, by position in the proposal",
                                      labels=["model_name", "position"])
         for key, value in self.values.items():
-            if key.startswith(_ACCEPTED_PER_POS):
-                family.add_metric([self.model_name, key[len(_ACCEPTED_PER_POS):]], value)
+            if key.startswith(ACCEPTED_PER_POS_DETAIL):
+                family.add_metric([self.model_name, key[len(ACCEPTED_PER_POS_DETAIL):]], value)
         yield family
 
 
@@ -295,7 +295,7 @@ class GatewayMetrics:
                                      if isinstance(details.get(key), (int, float))}
         self.engine_totals.values.update(
             {key: value for key, value in details.items()
-             if key.startswith(_ACCEPTED_PER_POS) and isinstance(value, (int, float))})
+             if key.startswith(ACCEPTED_PER_POS_DETAIL) and isinstance(value, (int, float))})
         if isinstance(details.get("device_blocks"), int):
             self.cache_config.clear()
             self.cache_config.labels(str(details["device_blocks"])).set(1)
