@@ -1,4 +1,4 @@
-"""`pagoda bench throughput | serve | kernels | parallel | latency`."""
+"""`pagoda bench throughput | serve | kernels | parallel | latency | spec`."""
 import argparse
 
 

@@ -2,7 +2,8 @@
 context.
 
 `pagoda bench spec --rounds 3 [--speculative-config JSON] [engine flags]` loads the model twice
-in this process, once plain and once with the speculative config (default: n-gram, k = 4,
+in this process with the same engine flags (`pagoda serve`'s; --kv-cache-space-gib defaults to
+0.5 here), once plain and once with the speculative config (default: n-gram, k = 4,
 lookup 4..2), and sends each prompt alone (one request at a time, greedy, `--output-len`
 tokens) to each, in alternating order each round. The prompts ask for a rewrite of a given
 piece of code with one change, or a summary that quotes a given text: output that n-gram
@@ -11,6 +12,7 @@ ratio by round and of the medians, and the acceptance rate and mean accepted len
 engines produce the same greedy tokens, which it checks.
 """
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -51,15 +53,24 @@ _DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from shared.config import EngineArgs
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--num-prompts", type=int, default=len(PROMPTS),
                         help=f"how many of the {len(PROMPTS)} prompts (cycled beyond that)")
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--speculative-config", default=json.dumps(_DEFAULT_SPEC))
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--kv-cache-space-gib", type=float, default=0.5)
     parser.add_argument("--output-json", default=None)
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(speculative_config=json.dumps(_DEFAULT_SPEC), kv_cache_space_gib=0.5)
+
+
+def engine_args(args: argparse.Namespace) -> dict:
+    """The two engines' EngineArgs: "plain" (speculation off) and "speculative"."""
+    from shared.config import EngineArgs
+    speculative = EngineArgs.from_cli_args(args)
+    if not speculative.speculative_config:
+        raise SystemExit("--speculative-config: give the configuration to compare")
+    return {"plain": dataclasses.replace(speculative, speculative_config=None),
+            "speculative": speculative}
 
 
 def _decode_alone(llm, conversations, params) -> tuple[float, list[list[int]]]:
@@ -74,12 +85,22 @@ def _decode_alone(llm, conversations, params) -> tuple[float, list[list[int]]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagoda import LLM, SamplingParams
+    from pagoda import LLM
     if args.rounds < 1 or args.num_prompts < 1 or args.output_len < 1:
         raise SystemExit("--rounds, --num-prompts and --output-len must be at least 1")
-    common = dict(model=args.model, dtype=args.dtype, kv_cache_space_gib=args.kv_cache_space_gib)
-    engines = {"plain": LLM(**common),
-               "speculative": LLM(speculative_config=args.speculative_config, **common)}
+    engines = {name: LLM(**a.to_dict()) for name, a in engine_args(args).items()}
+    try:
+        result = measure(engines, args)
+    finally:
+        for llm in engines.values():
+            llm.close()
+    return 0 if result["same_tokens"] else 1
+
+
+def measure(engines: dict, args: argparse.Namespace) -> dict:
+    """The rounds on loaded engines ({"plain": LLM, "speculative": LLM}) -> the result (also
+    printed, and written to --output-json)."""
+    from pagoda import SamplingParams
     conversations = [[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
                      for i in range(args.num_prompts)]
     params = SamplingParams(temperature=0, max_tokens=args.output_len)
@@ -101,13 +122,15 @@ def run(args: argparse.Namespace) -> int:
             print(f"round {r + 1} {name:>11}: {rate:8.1f} output tok/s "
                   f"({sum(len(t) for t in tokens)} tokens, {seconds:.2f} s)", flush=True)
     stats = engines["speculative"].llm_engine.get_stats().spec_decode
+    spec = engines["speculative"].llm_engine.config.speculative_config
     drafts = stats.num_drafts - before[0]
     proposed = stats.num_draft_tokens - before[1]
     accepted = stats.num_accepted_tokens - before[2]
     ratios = [s / p for s, p in zip(runs["speculative"], runs["plain"])]
     medians = {name: statistics.median(v) for name, v in runs.items()}
     result = {
-        "speculative_config": json.loads(args.speculative_config),
+        "speculative_config": {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)
+                               if f.name != "draft_model_config"},
         "output_len": args.output_len, "num_prompts": args.num_prompts, "rounds": args.rounds,
         "output_tok_s": runs, "median_output_tok_s": medians,
         "ratio_by_round": ratios, "ratio_of_medians": medians["speculative"] / medians["plain"],
@@ -124,6 +147,4 @@ def run(args: argparse.Namespace) -> int:
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)
-    for llm in engines.values():
-        llm.close()
-    return 0 if result["same_tokens"] else 1
+    return result
