@@ -1,5 +1,11 @@
 """Speculative decoding: n-gram proposals verified by the target in one pass, rejection sampling,
-lookahead KV slots, acceptance counters, the batch-size switch and the config's checks."""
+lookahead KV slots, stops inside accepted tokens, aborts, acceptance counters, the batch-size
+switch, quantized matmuls on the plain step's path, the draft's bounded catch-up and the
+config's checks."""
+import argparse
+import itertools
+import json
+
 import pytest
 import torch
 
@@ -40,6 +46,64 @@ def spec_llm():
 
 def greedy(max_tokens: int = 32) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens)
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(llm):
+    """The plain engine's greedy output of PROMPTS (both proposers are held to it)."""
+    return llm.generate(PROMPTS, greedy(), use_tqdm=False)
+
+
+_request_ids = itertools.count()
+
+
+def run_alone(engine, prompt: str, params: SamplingParams, eos_token_ids=None):
+    """`prompt` as the only request in `engine` until it finishes -> (its CompletionOutput,
+    the tokens the worker emitted for it, step by step)."""
+    executor = engine.executor
+    real = executor.execute_model
+    emitted = []
+
+    def recording(request):
+        out = real(request)
+        for i in range(len(out.seq_ids)):
+            emitted.append([out.token_ids[i]] + (out.extra_token_ids[i] if out.extra_token_ids
+                                                 else []))
+        return out
+    executor.execute_model = recording
+    final = None
+    try:
+        engine.add_request(f"alone-{next(_request_ids)}", prompt, params,
+                           eos_token_ids=eos_token_ids)
+        while engine.has_unfinished_requests():
+            final = next((o for o in engine.step() if o.finished), final)
+    finally:
+        del executor.execute_model  # the class's method again
+    return final.outputs[0], emitted
+
+
+@pytest.fixture(scope="module")
+def inside_a_step(spec_llm):
+    """A prompt whose greedy output (24 tokens) has a step that emitted 3 tokens or more, and a
+    token of that step neither its first nor its last, whose id and text occur there first in
+    the output -> (prompt, the output, the token's index in it)."""
+    engine = spec_llm.llm_engine
+    tokenizer = engine.tokenizer
+    for prompt in (PROMPTS[8], PROMPTS[5], PROMPTS[0], PROMPTS[3]):
+        out, emitted = run_alone(engine, prompt, greedy(24))
+        tokens = out.token_ids
+        pos = 0
+        for step in emitted:
+            for j in range(1, len(step) - 1):
+                i = pos + j
+                if i >= len(tokens):  # past an EOS: dropped
+                    break
+                piece = tokenizer.decode([tokens[i]])
+                if (tokens.index(tokens[i]) == i and piece.strip()
+                        and piece not in tokenizer.decode(tokens[:i])):
+                    return prompt, out, i
+            pos += len(step)
+    raise AssertionError("no step accepted two proposals in a row")
 
 
 # -- config ------------------------------------------------------------------------------------
@@ -153,10 +217,9 @@ def test_seeded_verification_is_reproducible_and_seeds_differ():
 
 # -- end to end (offline LLM) ------------------------------------------------------------------
 
-def test_greedy_output_is_identical_to_plain_greedy(llm, spec_llm):
-    plain = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+def test_greedy_output_is_identical_to_plain_greedy(plain_greedy, spec_llm):
     spec = spec_llm.generate(PROMPTS, greedy(), use_tqdm=False)
-    for p, s, prompt in zip(plain, spec, PROMPTS):
+    for p, s, prompt in zip(plain_greedy, spec, PROMPTS):
         assert s.outputs[0].token_ids == p.outputs[0].token_ids, prompt
         assert s.outputs[0].text == p.outputs[0].text
         assert s.outputs[0].finish_reason == p.outputs[0].finish_reason
@@ -174,7 +237,7 @@ def test_lookahead_blocks_of_rejected_proposals_are_freed_every_step(spec_llm):
     stats = engine.get_stats().spec_decode
     rejected_before = stats.num_draft_tokens - stats.num_accepted_tokens
     for i, prompt in enumerate(PROMPTS[:3]):
-        engine.add_request(f"kv-{i}", prompt, greedy(32))
+        engine.add_request(f"kv-{i}", prompt, greedy(20))
     while engine.has_unfinished_requests():
         engine.step()
         for group in engine.scheduler.running:
@@ -186,15 +249,76 @@ def test_lookahead_blocks_of_rejected_proposals_are_freed_every_step(spec_llm):
     assert bm.get_num_free_device_blocks() == bm.num_device_blocks
 
 
+@pytest.mark.parametrize("stop", ["stop_token_ids", "eos", "stop string"])
+def test_a_stop_inside_accepted_proposals_ends_the_output_there(llm, spec_llm, inside_a_step,
+                                                                 stop):
+    """The worker emits the accepted proposals after the stop too; the engine drops them and
+    finishes as plain decoding does."""
+    engine = spec_llm.llm_engine
+    prompt, base, i = inside_a_step
+    token, eos, extra = base.token_ids[i], None, {}
+    if stop == "stop_token_ids":
+        extra = {"stop_token_ids": [token]}
+    elif stop == "eos":
+        eos = [token]
+    else:  # the token's text, which occurs there first
+        extra = {"stop": [engine.tokenizer.decode([token])]}
+    params = SamplingParams(temperature=0, max_tokens=24, **extra)
+    out, emitted = run_alone(engine, prompt, params, eos)
+    plain, _ = run_alone(llm.llm_engine, prompt, params, eos)
+    assert out.token_ids == plain.token_ids == base.token_ids[:i + 1]
+    assert out.text == plain.text
+    assert out.finish_reason == plain.finish_reason == "stop"
+    assert out.stop_reason == plain.stop_reason
+    emitted_tokens = [t for step in emitted for t in step]
+    assert len(emitted_tokens) > i + 1  # the step went on past the stop: those were dropped
+    assert emitted_tokens[:i + 1] == out.token_ids
+
+
+def test_max_tokens_inside_a_step_cuts_the_proposals(spec_llm, inside_a_step):
+    """Lookahead is cut to what max_tokens leaves: the output ends exactly there, and the
+    worker computed nothing past it."""
+    engine = spec_llm.llm_engine
+    prompt, base, i = inside_a_step
+    out, emitted = run_alone(engine, prompt, greedy(i + 1))
+    assert out.token_ids == base.token_ids[:i + 1]
+    assert out.finish_reason == "length"
+    assert sum(len(step) for step in emitted) == i + 1
+    assert any(len(step) > 1 for step in emitted)  # and it did speculate
+
+
+def test_an_abort_while_a_speculative_step_is_in_flight_frees_every_block(spec_llm):
+    engine = spec_llm.llm_engine
+    bm = engine.scheduler.block_manager
+    groups = [engine.add_request(f"abort-{i}", p, greedy(32)) for i, p in
+              enumerate(PROMPTS[:3])]
+    for _ in range(40):
+        request, sched = engine.schedule_step()
+        if request is not None and request.num_lookahead_slots:
+            break
+        engine.process_model_outputs(sched, engine.executor.execute_model(request))
+    else:
+        raise AssertionError("nothing speculated")
+    engine.abort_request([g.request_id for g in groups])  # lookahead slots still held
+    engine.process_model_outputs(sched, engine.executor.execute_model(request))
+    assert not engine.has_unfinished_requests()
+    assert bm.get_num_free_device_blocks() == bm.num_device_blocks
+    # The next step tells the worker to drop them; the engine goes on as before.
+    spec_llm.generate(PROMPTS[:1], greedy(4), use_tqdm=False)
+    held = engine.executor.worker.model_runner.seqs
+    assert not any(g.first_seq.seq_id in held for g in groups)
+    assert bm.get_num_free_device_blocks() == bm.num_device_blocks
+
+
 def test_seeded_sampling_with_speculation_is_reproducible(spec_llm):
-    params = SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=16)
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=12)
     first = spec_llm.generate(PROMPTS[:2], params, use_tqdm=False)
     drafts_before = spec_llm.llm_engine.get_stats().spec_decode.num_drafts
     again = spec_llm.generate(PROMPTS[:2], params, use_tqdm=False)
     assert spec_llm.llm_engine.get_stats().spec_decode.num_drafts > drafts_before
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
     other = spec_llm.generate(PROMPTS[:2], SamplingParams(temperature=0.8, top_p=0.95, seed=99,
-                                                          max_tokens=16), use_tqdm=False)
+                                                          max_tokens=12), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in other] != [o.outputs[0].token_ids for o in first]
 
 
@@ -233,6 +357,55 @@ def test_requests_that_need_per_position_logits_do_not_speculate(spec_llm):
     spec_llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=16,
                                                   presence_penalty=0.5), use_tqdm=False)
     assert engine.get_stats().spec_decode.num_drafts == before
+
+
+def test_bench_spec_on_loaded_engines_reports_rates_the_ratio_and_acceptance(
+        llm, spec_llm, tmp_path, capsys):
+    """`pagoda bench spec`'s measurement, one round of one prompt, on the loaded engines."""
+    from ops.bench import spec
+    out = tmp_path / "spec.json"
+    args = argparse.Namespace(rounds=1, num_prompts=1, output_len=12, output_json=str(out))
+    result = spec.measure({"plain": llm, "speculative": spec_llm}, args)
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert result["same_tokens"] is True
+    assert all(len(v) == 1 and v[0] > 0 for v in result["output_tok_s"].values())
+    assert result["ratio_of_medians"] == (result["median_output_tok_s"]["speculative"]
+                                          / result["median_output_tok_s"]["plain"])
+    # The rewrite prompt repeats code from the prompt: lookup finds it and some is accepted.
+    assert result["acceptance_rate"] > 0 and result["mean_accepted_length"] > 1
+    assert result["speculative_config"]["num_speculative_tokens"] == 4
+    printed = capsys.readouterr().out
+    assert "ratio" in printed and "acceptance rate" in printed
+
+
+# -- quantized matmuls in a verifying step ----------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["gguf", "int8"])
+def test_quantized_matmul_rows_of_a_verifying_step_are_the_plain_steps(kind):
+    """4 sequences verifying 4 proposals each: 20 rows, past the row count where the matmul
+    changes kernel; the plain step has 4. Told so, each sequence's row comes out as in the
+    plain step."""
+    from kernels import cpu as cpu_kernels
+    from services.worker.models.gguf_weights import (Q8_0, GGUFWeight, allocate_part,
+                                                     fill_from_float)
+    from services.worker.models.linear import PackedWeight, linear, pack_weight
+    from services.worker.models.plain_rows import plain_step_rows
+    x = torch.randn(20, 128, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    if not cpu_kernels.available_for(x):
+        pytest.skip(f"no CPU kernels here: {cpu_kernels.unavailable_reason()}")
+    w = torch.randn(96, 128, generator=torch.Generator().manual_seed(1)) / 8
+    if kind == "gguf":
+        part = allocate_part(Q8_0, 0, 96, 128)
+        fill_from_float(part, 0, w)
+        packed = PackedWeight("gguf", torch.empty(0), 96, gguf=GGUFWeight(128, [part]))
+    else:
+        packed = pack_weight(w, quantization="int8")
+    plain = linear(x[::5].contiguous(), w, None, packed)  # one row per sequence
+    with plain_step_rows(4):
+        verifying = linear(x, w, None, packed)
+    assert torch.equal(verifying[::5], plain)
+    if kind == "gguf":  # untold, the 20 rows take the dequantized weight: other roundings
+        assert not torch.equal(linear(x, w, None, packed)[::5], plain)
 
 
 # -- through `pagoda serve` --------------------------------------------------------------------
@@ -310,10 +483,9 @@ def draft_llm(draft_folder):
     llm.close()
 
 
-def test_draft_model_greedy_output_is_identical_to_plain_greedy(llm, draft_llm):
-    plain = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+def test_draft_model_greedy_output_is_identical_to_plain_greedy(plain_greedy, draft_llm):
     spec = draft_llm.generate(PROMPTS, greedy(), use_tqdm=False)
-    for p, s, prompt in zip(plain, spec, PROMPTS):
+    for p, s, prompt in zip(plain_greedy, spec, PROMPTS):
         assert s.outputs[0].token_ids == p.outputs[0].token_ids, prompt
     engine = draft_llm.llm_engine
     stats = engine.get_stats().spec_decode
@@ -325,6 +497,44 @@ def test_draft_model_greedy_output_is_identical_to_plain_greedy(llm, draft_llm):
     worker = engine.executor.worker
     assert worker.draft_cache_engine.device_cache[0][0].shape[0] == bm.num_device_blocks
     assert len(worker.draft_cache_engine.device_cache) == DRAFT_LAYERS
+
+
+class _CountingModel:
+    """A model that notes how many tokens each forward pass computes."""
+
+    def __init__(self, model):
+        self.model, self.passes = model, []
+
+    def __call__(self, input_ids, *args):
+        self.passes.append(len(input_ids))
+        return self.model(input_ids, *args)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def test_the_draft_catches_up_in_chunks_within_its_budget(plain_greedy, draft_llm):
+    """With a catch-up budget far below the prompt, the draft computes the prompt over several
+    steps (no pass above the budget), which decode without proposals until it has caught up;
+    greedy output stays plain greedy output."""
+    engine = draft_llm.llm_engine
+    draft = engine.executor.worker.model_runner.draft
+    budget, before = draft.max_batch_tokens, draft.model
+    draft.max_batch_tokens = 8
+    draft.model = counting = _CountingModel(before)
+    try:
+        out, emitted = run_alone(engine, PROMPTS[1], greedy())
+    finally:
+        draft.max_batch_tokens, draft.model = budget, before
+    assert out.token_ids == plain_greedy[1].outputs[0].token_ids
+    prompt_len = len(engine.tokenizer.encode(PROMPTS[1]))
+    assert max(counting.passes) <= 8
+    assert sum(counting.passes) >= prompt_len
+    # 8 tokens a step against a lag that grows by one: the prompt's step and the decode steps
+    # before the draft has caught up emit one token each; later ones speculate again.
+    catch_up_steps = prompt_len // 8
+    assert all(len(step) == 1 for step in emitted[:catch_up_steps])
+    assert any(len(step) > 1 for step in emitted[catch_up_steps:])
 
 
 def test_draft_model_seeded_sampling_is_reproducible(draft_llm):
