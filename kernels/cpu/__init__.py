@@ -5,50 +5,34 @@ the bf16 matmul on AMX, int8 weight-only and w8a8 matmuls, matmuls on GGUF block
 computes what its torch counterpart computes (kernels/reference.py for attention and the cache
 write, the modules of services/worker/models/llama.py and the sampler for the rest), which
 stands in for it where it cannot run: another device or dtype, no C compiler, or
-PAGODA_CPU_KERNELS=0."""
-import ctypes
+PAGODA_CPU_KERNELS=0. The int8 and GGUF wrappers live in int8.py and gguf.py, re-exported here;
+bind.py binds the C functions."""
 from collections.abc import Callable
 
 import torch
 
+from kernels.cpu.bind import DTYPE_SUFFIX as _SUFFIX
+from kernels.cpu.bind import bound_function as _function
+from kernels.cpu.bind import data_ptr as _ptr
 from kernels.cpu.build import load, unavailable_reason
+from kernels.cpu.gguf import gguf_dequantize, gguf_matmul, gguf_simd_available, set_gguf_simd
+from kernels.cpu.int8 import (INT8_PATHS, int8_kernels_available, int8_linear, int8_paths,
+                              pack_int8_weight, set_int8_path, unpack_int8_weight)
 
-_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
-_P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-_SIGNATURES = {
-    "paged_decode": ([_P, _I64, _P, _P, _P, _I64, _P, _P, _INT, _INT, _INT, _INT, _INT, _F], _INT),
-    "causal_prefill": ([_P, _I64, _P, _I64, _P, _I64, _P, _INT, _I64, _INT, _INT, _INT, _F, _P],
-                       _INT),
-    "rms_norm": ([_P, _I64, _P, _P, _P, _I64, _INT, _F], None),
-    "rotary": ([_P, _I64, _P, _P, _I64, _INT, _INT, _I64], _INT),
-    "greedy_sample": ([_P, _I64, _I64, _I64, _P, _P], None),
-    "matmul_amx_pack": ([_P, _I64, _I64, _INT, _P], _INT),
-    "matmul_amx": ([_P, _I64, _I64, _P, _P, _I64, _I64, _INT, _P], _INT),
-    "matmul_int8": ([_P, _I64, _I64, _INT, _P, _P, _P, _P, _I64, _I64, _INT, _INT, _INT, _P],
-                    _INT),
-    "kv_cache_write": ([_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I64], _INT),
-    "attention_input": ([_P, _P, _P, _F, _P, _P, _I64, _I64, _I64, _P, _P, _I64, _INT, _INT, _P,
-                         _P], _INT),
-    "attention_output_mlp": ([_P, _I64, _P, _P, _P, _P, _F, _P, _P, _P, _P, _I64, _I64, _I64, _P,
-                              _P, _P], _INT),
-    "gguf_matmul": ([_P, _I64, _I64, _I64, _INT, _P, _P, _P, _I64, _P, _P, _I64], _INT),
-    "gguf_dequantize": ([_INT, _P, _P, _P, _I64, _I64, _P, _I64, _P], _INT),
-}
-_bound: dict[tuple[str, torch.dtype], object] = {}
-
-
-def _function(name: str, dtype: torch.dtype | None):
-    """The C function `name` for dtype (its `_f32` / `_bf16` variant), or the one function of
-    that name for dtype None; None where the kernels or that dtype are unavailable."""
-    fn = _bound.get((name, dtype))
-    if fn is None:
-        lib = load()
-        if lib is None or (dtype is not None and dtype not in _SUFFIX):
-            return None
-        fn = getattr(lib, name if dtype is None else f"{name}_{_SUFFIX[dtype]}")
-        fn.argtypes, fn.restype = _SIGNATURES[name]
-        _bound[(name, dtype)] = fn
-    return fn
+__all__ = [
+    "load", "unavailable_reason", "available_for",
+    # attention and the KV cache
+    "attention_simd_available", "set_attention_simd", "supports", "write_kv_cache",
+    "paged_decode_attention", "prefill_paths", "set_prefill_path", "causal_prefill_supports",
+    "causal_prefill_attention",
+    # layer ops, sampling, the bf16 AMX matmul and the layer blocks
+    "rms_norm", "rotary_", "greedy_sample", "set_amx_matmul", "amx_available", "pack_amx_weight",
+    "amx_linear", "layer_blocks_available", "attention_input", "attention_output_mlp",
+    # kernels/cpu/gguf.py and int8.py
+    "gguf_dequantize", "gguf_matmul", "gguf_simd_available", "set_gguf_simd",
+    "INT8_PATHS", "int8_kernels_available", "int8_linear", "int8_paths", "pack_int8_weight",
+    "set_int8_path", "unpack_int8_weight",
+]
 
 
 def attention_simd_available() -> bool:
@@ -108,10 +92,6 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
     if rc != 0:
         raise IndexError(f"kv cache slots must lie in [0, {num_slots}), got "
                          f"{slots.min().item()}..{slots.max().item()}")
-
-
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
 
 
 def _rows_contiguous(x: torch.Tensor) -> bool:
@@ -419,186 +399,3 @@ def attention_output_mlp(attn: torch.Tensor, o_packed: torch.Tensor, o_bias: tor
     if rc != 0:
         raise RuntimeError(f"attention output / MLP block cannot run [{rows}, {attn_width}] -> "
                            f"{hidden}, intermediate {inter} (error {rc})")
-
-
-# -- matmuls on GGUF block-quantized weights (matmul_gguf.c) -------------------------------------
-def gguf_simd_available() -> bool:
-    """Whether the GGUF matmul has its AVX-512 VNNI path here (built for a CPU with it)."""
-    lib = load()
-    return lib is not None and bool(lib.gguf_simd_available())
-
-
-def set_gguf_simd(on: bool) -> None:
-    """Use (default) or bypass the VNNI GGUF matmul, for comparing it with the plain C loop on
-    one machine. Process-wide."""
-    lib = load()
-    if lib is not None:
-        lib.set_gguf_simd(int(on))
-
-
-def gguf_matmul(x: torch.Tensor, qtype: int, qs: torch.Tensor, d: torch.Tensor,
-                m: torch.Tensor | None, bias: torch.Tensor | None, out: torch.Tensor) -> None:
-    """out [rows, n] (rows at any stride, unit column stride) = x [rows, k] W^T (+ bias [n]), W
-    in the layout of matmul_gguf.c (qs uint8, d and m fp16 [n, k / 32]); x, bias and out in one
-    dtype, float32 or bfloat16; x's rows contiguous."""
-    rows, k = x.shape
-    n = d.shape[0]
-    fn = _function("gguf_matmul", x.dtype)
-    if fn is None:
-        raise RuntimeError(f"gguf matmul is unavailable for {x.dtype}: "
-                           f"{unavailable_reason() or 'dtype not supported'}")
-    if not (x.stride(1) == 1 and out.dtype == x.dtype and out.shape == (rows, n)
-            and out.stride(1) == 1 and (bias is None or (bias.dtype == x.dtype
-                                                         and bias.shape == (n,)
-                                                         and bias.is_contiguous()))):
-        raise ValueError(f"gguf matmul: x {tuple(x.shape)} {x.dtype}, out {tuple(out.shape)} "
-                         f"{out.dtype} do not fit a weight of {n} rows")
-    rc = fn(x.data_ptr(), x.stride(0), rows, k, qtype, qs.data_ptr(), d.data_ptr(), _ptr(m), n,
-            _ptr(bias), out.data_ptr(), out.stride(0))
-    if rc != 0:
-        raise RuntimeError(f"gguf matmul cannot run type {qtype}, [{rows}, {k}] x [{n}, {k}]^T "
-                           f"(error {rc})")
-
-
-def gguf_dequantize(qtype: int, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
-                    k: int, dtype: torch.dtype, ids: torch.Tensor | None = None) -> torch.Tensor:
-    """The rows `ids` (int64; all rows when None) of a weight in matmul_gguf.c's layout,
-    dequantized to `dtype` (float32 or bfloat16) exactly as gguf.quants.dequantize does (then
-    rounded to bf16)."""
-    n = d.shape[0]
-    fn = _function("gguf_dequantize", dtype)
-    if fn is None:
-        raise RuntimeError(f"gguf dequantize is unavailable for {dtype}: "
-                           f"{unavailable_reason() or 'dtype not supported'}")
-    if ids is not None:
-        ids = ids.contiguous()
-    count = n if ids is None else ids.numel()
-    out = torch.empty(count, k, dtype=dtype)
-    rc = fn(qtype, qs.data_ptr(), d.data_ptr(), _ptr(m), n, k, _ptr(ids), count, out.data_ptr())
-    if rc != 0:
-        raise IndexError(f"gguf dequantize: type {qtype}, ids must lie in [0, {n})")
-    return out
-
-
-# -- int8 / w8a8 matmuls (matmul_int8.c) --------------------------------------------------------
-INT8_PATHS = ("portable", "avx512", "vnni", "amx")  # matmul_int8.c's PATH_* 1..4
-_int8_path = "auto"
-
-
-def int8_paths(w8a8: bool) -> list[str]:
-    """The int8 matmul paths this machine runs for one mode: "portable" wherever the kernels
-    build; weight-only "avx512" (fp32 FMA on widened weights), "vnni" (activations in 24-bit
-    fixed point, three byte planes) and "amx" (bf16 tiles, bf16 activations only); w8a8 "vnni"
-    and "amx" (AMX-INT8); each where the CPU has it."""
-    lib = load()
-    if lib is None:
-        return []
-    mask = lib.matmul_int8_paths()
-    usable = ("portable", "vnni", "amx") if w8a8 else INT8_PATHS
-    return [p for i, p in enumerate(INT8_PATHS, 1) if mask >> i & 1 and p in usable]
-
-
-def set_int8_path(path: str) -> None:
-    """Run every int8 matmul on `path` (one of `int8_paths`) instead of choosing by rows
-    ("auto", the default: AMX from 16 rows where it runs, the vector path below), for testing
-    and comparing the paths on one machine. Process-wide."""
-    global _int8_path
-    if path != "auto" and path not in INT8_PATHS:
-        raise ValueError(f"int8 path must be auto or one of {INT8_PATHS}, got {path!r}")
-    _int8_path = path
-
-
-def int8_kernels_available() -> bool:
-    return load() is not None
-
-
-def _int8_dims(n: int, k: int, gate_up: bool) -> tuple[int, int]:
-    """(panels, K steps of 64) of a packed weight [n, k]."""
-    panels = -(-(n // 2) // 16) if gate_up else -(-n // 32)
-    return panels, -(-k // 64)
-
-
-def pack_int8_weight(q: torch.Tensor, gate_up: bool = False,
-                     empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] = torch.empty,
-                     ) -> torch.Tensor:
-    """int8 q [N, K] -> the panel layout of matmul_int8.c (1-d int8, in memory from
-    `empty(shape, dtype)`): K zero-padded to a multiple of 64, N to panels of 32 columns (with
-    `gate_up`, q is [gate; up] and each half is padded to 16-column tiles)."""
-    n, k = q.shape
-    if gate_up and n % 2:
-        raise ValueError(f"a gate_up weight needs an even number of rows, got {n}")
-    panels, steps = _int8_dims(n, k, gate_up)
-    kp = steps * 64
-    if gate_up:  # [2 (gate, up), panels, 16 columns, K]
-        half = n // 2
-        w = torch.zeros(2, panels * 16, kp, dtype=torch.int8)
-        w[:, :half, :k] = q.view(2, half, k)
-        tiles = w.view(2, panels, 16, steps, 16, 4).permute(1, 3, 0, 4, 2, 5)
-    else:  # [panels, 2 tiles, 16 columns, K]
-        w = torch.zeros(panels * 32, kp, dtype=torch.int8)
-        w[:n, :k] = q
-        tiles = w.view(panels, 2, 16, steps, 16, 4).permute(0, 3, 1, 4, 2, 5)
-    # -> [panel, step, tile, tile row r, column, 4 k]: k = 64 step + 4 r + j
-    packed = empty((tiles.numel(),), dtype=torch.int8)
-    packed.view(tiles.shape).copy_(tiles)
-    return packed
-
-
-def unpack_int8_weight(packed: torch.Tensor, n: int, k: int, gate_up: bool = False
-                       ) -> torch.Tensor:
-    """`pack_int8_weight`'s inverse: q [N, K] int8."""
-    panels, steps = _int8_dims(n, k, gate_up)
-    tiles = packed.view(panels, steps, 2, 16, 16, 4)
-    if gate_up:
-        w = tiles.permute(2, 0, 4, 1, 3, 5).reshape(2, panels * 16, steps * 64)
-        return w[:, :n // 2, :k].reshape(n, k).contiguous()
-    w = tiles.permute(0, 2, 4, 1, 3, 5).reshape(panels * 32, steps * 64)
-    return w[:n, :k].contiguous()
-
-
-def int8_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
-                weight_sums: torch.Tensor | None, bias: torch.Tensor | None, out_features: int,
-                gate_up: bool = False, w8a8: bool = False, path: str | None = None,
-                out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] (bf16 or fp32) @ (q * scale[:, None])^T (+ bias) in x's dtype, q packed by
-    `pack_int8_weight`, scale fp32 [N]: [..., out_features], or [..., out_features / 2] =
-    SiLU(gate) * up for a `gate_up` weight. `w8a8` quantizes each row of x to int8 first (one
-    scale per row). weight_sums = q.sum(1) int32 [N] is needed by the VNNI paths (w8a8 always;
-    without it weight-only skips VNNI). `path` overrides
-    `set_int8_path`; the result is written into `out` (contiguous, 2-d) when given."""
-    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    if rows.stride(1) != 1:
-        rows = rows.contiguous()
-    num_rows, k = rows.shape
-    n = out_features
-    panels, steps = _int8_dims(n, k, gate_up)
-    if x.dtype not in _SUFFIX or packed.numel() != panels * steps * 2048:
-        raise ValueError(f"int8 matmul: x {tuple(x.shape)} {x.dtype} does not fit a packed "
-                         f"weight of {n} x {k}")
-    if bias is not None and (bias.dtype != x.dtype or bias.shape != (n,) or bias.stride(0) != 1):
-        raise ValueError(f"int8 matmul: bias must be contiguous {x.dtype} [{n}]")
-    assert scale.dtype == torch.float32 and scale.shape == (n,) and scale.is_contiguous()
-    assert not w8a8 or (weight_sums is not None and weight_sums.dtype == torch.int32
-                        and weight_sums.shape == (n,) and weight_sums.is_contiguous())
-    fn = _function("matmul_int8", None)
-    if fn is None:
-        raise RuntimeError(f"int8 matmul is unavailable: {unavailable_reason()}")
-    path = path or _int8_path
-    shape = (num_rows, n // 2 if gate_up else n)
-    if out is None:
-        out = torch.empty(shape, dtype=x.dtype)
-    elif not (out.shape == shape and out.dtype == x.dtype and out.is_contiguous()):
-        raise ValueError(f"int8 matmul: out must be contiguous {shape} {x.dtype}, got "
-                         f"{tuple(out.shape)} {out.dtype}")
-    rc = fn(rows.data_ptr(), rows.stride(0), num_rows, int(x.dtype == torch.bfloat16),
-            packed.data_ptr(), scale.data_ptr(), _ptr(weight_sums), _ptr(bias), n, k,
-            int(gate_up), int(w8a8), 0 if path == "auto" else INT8_PATHS.index(path) + 1,
-            out.data_ptr())
-    if rc == -2:
-        raise RuntimeError(f"int8 matmul: path {path!r} does not run here for "
-                           f"{'w8a8' if w8a8 else 'weight-only'} {x.dtype} "
-                           f"(here: {int8_paths(w8a8)})")
-    if rc != 0:
-        raise RuntimeError(f"int8 matmul cannot run [{num_rows}, {k}] x [{n}, {k}]^T "
-                           f"(error {rc})")
-    return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[1])

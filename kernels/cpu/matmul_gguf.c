@@ -250,36 +250,24 @@ static inline __attribute__((always_inline)) void tile(
         for (int t = 0; t < NT; t++) {
             const __m512i v = _mm512_maskz_loadu_epi8(mask, wq[t] + g * 64);
             const __m512 d = expand_halves(wd[t] + g * per_group, count, q4);
+            /* the c term's factor per lane: Q4_1's min, else c d */
+            const __m512 off = qtype == GGUF_Q4_1
+                ? expand_halves(wm[t] + g * per_group, count, q4)
+                : _mm512_mul_ps(d, _mm512_set1_ps(c));
             if (q4) {
                 const __m512i lo = _mm512_and_si512(v, low4);
                 const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-                if (qtype == GGUF_Q4_1) {
-                    const __m512 m = expand_halves(wm[t] + g * per_group, count, q4);
-                    _Pragma("GCC unroll 4")
-                    for (int i = 0; i < MT; i++) {
-                        __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xa[i]);
-                        s = _mm512_dpbusd_epi32(s, hi, xb[i]);
-                        const int64_t at = ((r0 + i) * a->groups + g) * 16;
-                        const __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(s),
-                                                       _mm512_load_ps(a->dx + at));
-                        acc[t][i] = _mm512_fmadd_ps(p, d, acc[t][i]);
-                        acc[t][i] = _mm512_fmadd_ps(m, _mm512_load_ps(a->sx + at), acc[t][i]);
-                    }
-                } else {
-                    const __m512 cd = _mm512_mul_ps(d, _mm512_set1_ps(c));
-                    _Pragma("GCC unroll 4")
-                    for (int i = 0; i < MT; i++) {
-                        __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xa[i]);
-                        s = _mm512_dpbusd_epi32(s, hi, xb[i]);
-                        const int64_t at = ((r0 + i) * a->groups + g) * 16;
-                        const __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(s),
-                                                       _mm512_load_ps(a->dx + at));
-                        acc[t][i] = _mm512_fmadd_ps(p, d, acc[t][i]);
-                        acc[t][i] = _mm512_fmadd_ps(cd, _mm512_load_ps(a->sx + at), acc[t][i]);
-                    }
+                _Pragma("GCC unroll 4")
+                for (int i = 0; i < MT; i++) {
+                    __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xa[i]);
+                    s = _mm512_dpbusd_epi32(s, hi, xb[i]);
+                    const int64_t at = ((r0 + i) * a->groups + g) * 16;
+                    const __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(s),
+                                                   _mm512_load_ps(a->dx + at));
+                    acc[t][i] = _mm512_fmadd_ps(p, d, acc[t][i]);
+                    acc[t][i] = _mm512_fmadd_ps(off, _mm512_load_ps(a->sx + at), acc[t][i]);
                 }
             } else {
-                const __m512 cd = _mm512_mul_ps(d, _mm512_set1_ps(c));
                 _Pragma("GCC unroll 4")
                 for (int i = 0; i < MT; i++) {
                     const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, xa[i]);
@@ -287,7 +275,7 @@ static inline __attribute__((always_inline)) void tile(
                     const __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(s),
                                                    _mm512_load_ps(a->dx + at));
                     acc[t][i] = _mm512_fmadd_ps(p, d, acc[t][i]);
-                    acc[t][i] = _mm512_fmadd_ps(cd, _mm512_load_ps(a->sx + at), acc[t][i]);
+                    acc[t][i] = _mm512_fmadd_ps(off, _mm512_load_ps(a->sx + at), acc[t][i]);
                 }
             }
         }

@@ -12,10 +12,10 @@
  * them on AMX; the scale is applied to the fp32 sums. Otherwise, with VNNI: x in 24-bit fixed
  * point per row, three byte planes through VNNI (see vnni_weight_only); without: the weights
  * widened to fp32 and multiplied with FMA (AVX-512).
- * Everywhere else (no VNNI nor AVX-512 with VBMI for weight-only, no VNNI for w8a8) a plain C
- * loop over the same layout.
+ * Everywhere else (no AVX-512 for weight-only, no VNNI for w8a8, or K past a path's limit:
+ * FIXED_MAX_K, W8A8_MAX_K) a plain C loop over the same layout.
  *
- * Layout (packed in Python, kernels/cpu/__init__.py): K is zero-padded to a multiple of 64 and
+ * Layout (packed in Python, kernels/cpu/int8.py): K is zero-padded to a multiple of 64 and
  * N to whole panels of 32 output columns. A panel is K/64 steps of two 1 KiB tiles; tile row r
  * holds, for each of the tile's 16 columns, the 4 weights k = 64 s + 4 r .. + 3. That is the
  * AMX-INT8 B tile, and one tile row is one VNNI register, so every path streams a panel in
@@ -38,6 +38,11 @@
 #define PREFETCH_STEPS 4  /* steps (2 KiB each) ahead */
 #define AMX_MIN_ROWS 16   /* fewer rows than one A tile: the vector paths are faster */
 #define FIXED_MAX_K 32768 /* weight-only VNNI: int32 sums of 255 * 127 * K stay in range */
+/* w8a8 on VNNI and AMX: the int32 sum x q (|x|, |q| <= 127) stays in range, 127 * 127 * K < 2^31.
+ * (VNNI's sum of (x + 128) q can wrap past 66k, but vpdpbusd and the subtraction of
+ * 128 * sum(q) are both modulo 2^32, so the wrap cancels.) Longer rows run the portable loop,
+ * which sums in int64. */
+#define W8A8_MAX_K 131072
 
 enum { PATH_AUTO = 0, PATH_PORTABLE = 1, PATH_AVX512 = 2, PATH_VNNI = 3, PATH_AMX = 4 };
 
@@ -137,63 +142,42 @@ static void widen_rows(const void *x, int64_t x_stride, int64_t m, const shape_t
 
 /* -- plain C ---------------------------------------------------------------------------------- */
 
-static void portable_w8a8(const int8_t *xq, const float *xs, int64_t m, const int8_t *packed,
-                          const float *ws, const void *bias, const shape_t *s, void *y,
-                          int64_t y_cols) {
-    const size_t esize = s->bf16 ? 2 : 4;
-    #pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < s->panels; p++) {
-        const int8_t *panel = packed + p * s->steps * STEP_BYTES;
-        for (int64_t i = 0; i < m; i++) {
-            int32_t acc[PANEL] = {0};
-            const int8_t *xr = xq + i * s->kp;
-            for (int64_t st = 0; st < s->steps; st++)
-                for (int t = 0; t < 2; t++)
-                    for (int r = 0; r < 16; r++) {
-                        const int8_t *w = panel + st * STEP_BYTES + t * TILE_BYTES + r * 64;
-                        const int8_t *xk = xr + st * KSTEP + 4 * r;
-                        for (int c = 0; c < 16; c++)
-                            for (int j = 0; j < 4; j++)
-                                acc[t * 16 + c] += (int32_t)w[c * 4 + j] * xk[j];
-                    }
-            float v[PANEL];
-            for (int t = 0; t < 2; t++)
-                for (int c = 0; c < 16; c++)
-                    v[t * 16 + c] = c < real_cols(s, p, t)
-                        ? (float)acc[t * 16 + c] * xs[i] * ws[first_col(s, p, t) + c] : 0.0f;
-            finish_row_scalar(v, s, p, bias, (char *)y + i * y_cols * esize);
-        }
-    }
+/* Panel by panel, row by row: acc = x q summed in `acc_t`, out = acc * row scale * ws. w8a8
+ * sums in int64, exact for any K (the fallback past W8A8_MAX_K); weight-only in fp32. */
+#define PORTABLE_MATMUL(name, x_t, acc_t, ROW_SCALE)                                             \
+static void name(const x_t *xs_rows, const float *xs, int64_t m, const int8_t *packed,           \
+                 const float *ws, const void *bias, const shape_t *s, void *y, int64_t y_cols) { \
+    const size_t esize = s->bf16 ? 2 : 4;                                                        \
+    (void)xs;                                                                                    \
+    _Pragma("omp parallel for schedule(static)")                                                 \
+    for (int64_t p = 0; p < s->panels; p++) {                                                    \
+        const int8_t *panel = packed + p * s->steps * STEP_BYTES;                                \
+        for (int64_t i = 0; i < m; i++) {                                                        \
+            acc_t acc[PANEL] = {0};                                                              \
+            const x_t *xr = xs_rows + i * s->kp;                                                 \
+            for (int64_t st = 0; st < s->steps; st++)                                            \
+                for (int t = 0; t < 2; t++)                                                      \
+                    for (int r = 0; r < 16; r++) {                                               \
+                        const int8_t *w = panel + st * STEP_BYTES + t * TILE_BYTES + r * 64;     \
+                        const x_t *xk = xr + st * KSTEP + 4 * r;                                 \
+                        for (int c = 0; c < 16; c++)                                             \
+                            for (int j = 0; j < 4; j++)                                          \
+                                acc[t * 16 + c] += (acc_t)w[c * 4 + j] * xk[j];                  \
+                    }                                                                            \
+            float v[PANEL];                                                                      \
+            for (int t = 0; t < 2; t++)                                                          \
+                for (int c = 0; c < 16; c++)                                                     \
+                    v[t * 16 + c] = c < real_cols(s, p, t)                                       \
+                        ? (float)acc[t * 16 + c] * (ROW_SCALE) * ws[first_col(s, p, t) + c]      \
+                        : 0.0f;                                                                  \
+            finish_row_scalar(v, s, p, bias, (char *)y + i * y_cols * esize);                    \
+        }                                                                                        \
+    }                                                                                            \
 }
 
-static void portable_weight_only(const float *xf, int64_t m, const int8_t *packed,
-                                 const float *ws, const void *bias, const shape_t *s, void *y,
-                                 int64_t y_cols) {
-    const size_t esize = s->bf16 ? 2 : 4;
-    #pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < s->panels; p++) {
-        const int8_t *panel = packed + p * s->steps * STEP_BYTES;
-        for (int64_t i = 0; i < m; i++) {
-            float acc[PANEL] = {0};
-            const float *xr = xf + i * s->kp;
-            for (int64_t st = 0; st < s->steps; st++)
-                for (int t = 0; t < 2; t++)
-                    for (int r = 0; r < 16; r++) {
-                        const int8_t *w = panel + st * STEP_BYTES + t * TILE_BYTES + r * 64;
-                        const float *xk = xr + st * KSTEP + 4 * r;
-                        for (int c = 0; c < 16; c++)
-                            for (int j = 0; j < 4; j++)
-                                acc[t * 16 + c] += (float)w[c * 4 + j] * xk[j];
-                    }
-            float v[PANEL];
-            for (int t = 0; t < 2; t++)
-                for (int c = 0; c < 16; c++)
-                    v[t * 16 + c] = c < real_cols(s, p, t)
-                        ? acc[t * 16 + c] * ws[first_col(s, p, t) + c] : 0.0f;
-            finish_row_scalar(v, s, p, bias, (char *)y + i * y_cols * esize);
-        }
-    }
-}
+PORTABLE_MATMUL(portable_w8a8, int8_t, int64_t, xs[i])
+PORTABLE_MATMUL(portable_weight_only, float, float, 1.0f)
+#undef PORTABLE_MATMUL
 
 /* -- AVX-512 ---------------------------------------------------------------------------------- */
 
@@ -268,21 +252,29 @@ static inline void prefetch_step(const int8_t *b, int r) {
                  _MM_HINT_T0);
 }
 
-#if defined(__AVX512VBMI__) /* the byte permutation below */
 #define HAVE_WEIGHT_ONLY_AVX512 1
 
 /* Weight-only: panel p widened to fp32, k-major: out[k][32] (tile 0's columns, then tile 1's).
- * An int8 tile row is 16 columns x 4 k; a byte permutation makes it 4 k x 16 columns. */
+ * An int8 tile row is 16 columns x 4 k (byte 4c + j: column c, k j); it becomes 4 k x 16
+ * columns (byte 16j + c) in two steps that need only AVX-512 BW, not VBMI's byte permutation:
+ * a byte shuffle in each 128-bit lane (columns 4L.. : byte 4j + c <- 4c + j), then a dword
+ * permutation (dword 4j + L <- 4L + j). */
 static void widen_panel_f32(const int8_t *panel, int64_t steps, float *out) {
-    uint8_t order[64];
-    for (int o = 0; o < 64; o++) order[o] = (uint8_t)((o % 16) * 4 + o / 16);
-    const __m512i perm = _mm512_loadu_si512(order);
+    uint8_t in_lane[64];
+    int32_t lanes[16];
+    for (int L = 0; L < 4; L++)
+        for (int j = 0; j < 4; j++) {
+            for (int c = 0; c < 4; c++) in_lane[16 * L + 4 * j + c] = (uint8_t)(4 * c + j);
+            lanes[4 * j + L] = 4 * L + j;
+        }
+    const __m512i shuffle = _mm512_loadu_si512(in_lane), perm = _mm512_loadu_si512(lanes);
     for (int64_t st = 0; st < steps; st++)
         for (int t = 0; t < 2; t++)
             for (int r = 0; r < 16; r++) {
                 const int8_t *src = panel + st * STEP_BYTES + t * TILE_BYTES + r * 64;
                 _mm_prefetch((const char *)(src + PREFETCH_STEPS * STEP_BYTES), _MM_HINT_T0);
-                const __m512i w = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(src));
+                const __m512i w = _mm512_permutexvar_epi32(
+                    perm, _mm512_shuffle_epi8(_mm512_loadu_si512(src), shuffle));
                 float *dst = out + (st * KSTEP + 4 * r) * PANEL + t * 16;
                 _mm512_storeu_ps(dst, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                     _mm512_extracti32x4_epi32(w, 0))));
@@ -408,7 +400,6 @@ static int avx512_weight_only(const float *xf, int64_t m, const int8_t *packed,
     free(widened);
     return 0;
 }
-#endif /* VBMI */
 
 #if defined(__AVX512VNNI__)
 #define HAVE_VNNI 1
@@ -483,11 +474,13 @@ static void vnni_w8a8(const int8_t *xq, const float *xs, int64_t m, const int8_t
 }
 
 /* Weight-only on VNNI: each row of x becomes 24-bit fixed point against its max,
- * x ~ s * (x2 * 2^16 + u1 * 2^8 + u0), s = max|x| / (2^23 - 1), in three byte planes (x2 signed,
- * u1 and u0 unsigned): three u8 x s8 products per weight instead of a widening to fp32. bf16
- * activations down to 2^-16 of their row's largest are exact in it, and the rounding of the
- * rest, 2^-24 of the largest, is that of an fp32 sum. The sums stay within int32 for K up to
- * FIXED_MAX_K. */
+ * x ~ s * (x2 * 2^16 + u1 * 2^8 + u0) in three byte planes (x2 signed, u1 and u0 unsigned):
+ * three u8 x s8 products per weight instead of a widening to fp32. s is a power of two,
+ * 2^(e - 23) for the row's largest magnitude in [2^(e-1), 2^e), so that |x / s| < 2^23 and a
+ * value whose last mantissa bit is worth at least s is exact: every bf16 value (8 significant
+ * bits) of at least 2^-15 of the row's largest, and fp32 values with their low bits zero. Any
+ * other value is rounded to a multiple of s (off by at most s / 2, at most 2^-23 of the
+ * largest). The sums stay within int32 for K up to FIXED_MAX_K. */
 #define FIXED_ROWS 4
 
 static void fixed_point_row(const void *x, int64_t k, int64_t kp, int bf16, int8_t *planes,
@@ -497,8 +490,12 @@ static void fixed_point_row(const void *x, int64_t k, int64_t kp, int bf16, int8
         const float a = fabsf(load_value(x, j, bf16));
         amax = a > amax ? a : amax;
     }
-    const float s = amax > 0.0f ? amax / 8388607.0f : 1.0f;
+    int e = 0;
+    if (amax > 0.0f) frexpf(amax, &e); /* amax = f 2^e, f in [0.5, 1) */
+    /* 2^-126 at the least: 1 / s stays finite, and such a row still fits (amax < 2^-103) */
+    const float s = amax > 0.0f ? ldexpf(1.0f, e - 23 < -126 ? -126 : e - 23) : 1.0f;
     const float inv = 1.0f / s;
+    /* (the clamp: an fp32 value just under 2^e can round up to 2^23) */
     for (int64_t j = 0; j < kp; j++) {
         int32_t v = j < k ? (int32_t)rintf(load_value(x, j, bf16) * inv) : 0;
         v = v > 8388607 ? 8388607 : (v < -8388607 ? -8388607 : v);
@@ -803,8 +800,9 @@ int matmul_int8_paths(void) {
  * packed as above with fp32 channel scales ws [n] and the channel weight sums wsum [n] (needed
  * by the VNNI paths). path: PATH_* (auto: AMX from 16 rows where it runs, else the fastest vector
  * path (weight-only: VNNI under 16 rows, AVX-512 FMA from 16 with fp32 x); w8a8 has no plain
- * AVX-512 path, weight-only AMX needs bf16 x). Returns -1 for a bad shape, -2
- * for a path that does not run here (or for this mode), -3 when out of memory. */
+ * AVX-512 path, weight-only AMX needs bf16 x; K past FIXED_MAX_K / W8A8_MAX_K leaves VNNI /
+ * AMX). Returns -1 for a bad shape, -2 for a path that
+ * does not run here (or for this mode or K), -3 when out of memory. */
 int matmul_int8(const void *x, int64_t x_stride, int64_t m, int bf16, const int8_t *packed,
                 const float *ws, const int32_t *wsum, const void *bias, int64_t n, int64_t k,
                 int gate_up, int w8a8, int path, void *y) {
@@ -812,16 +810,20 @@ int matmul_int8(const void *x, int64_t x_stride, int64_t m, int bf16, const int8
     if (make_shape(n, k, gate_up, bf16, &s) != 0) return -1;
     const int have = matmul_int8_paths();
     if (path == PATH_AUTO) {
-        const int amx = (have >> PATH_AMX & 1) && m >= AMX_MIN_ROWS && (w8a8 || bf16);
-        /* weight-only VNNI makes three passes per weight: from 16 rows FMA is faster */
+        const int amx = (have >> PATH_AMX & 1) && m >= AMX_MIN_ROWS
+                        && (w8a8 ? k <= W8A8_MAX_K : bf16);
+        /* weight-only VNNI makes three passes per weight: from 16 rows FMA is faster (and the
+         * FMA path is built wherever VNNI is: it needs only AVX-512 F/BW/VL) */
         const int vnni = (have >> PATH_VNNI & 1)
-                         && (w8a8 || (wsum && k <= FIXED_MAX_K && m < AMX_MIN_ROWS));
+                         && (w8a8 ? k <= W8A8_MAX_K
+                                  : wsum && k <= FIXED_MAX_K && m < AMX_MIN_ROWS);
         path = amx ? PATH_AMX : vnni ? PATH_VNNI
              : (!w8a8 && (have >> PATH_AVX512 & 1)) ? PATH_AVX512 : PATH_PORTABLE;
     }
     if (path < PATH_PORTABLE || path > PATH_AMX || !(have >> path & 1)) return -2;
     if ((w8a8 && path == PATH_AVX512) || (!w8a8 && path == PATH_AMX && !bf16)
-        || (!w8a8 && path == PATH_VNNI && (!wsum || k > FIXED_MAX_K)))
+        || (!w8a8 && path == PATH_VNNI && (!wsum || k > FIXED_MAX_K))
+        || (w8a8 && (path == PATH_VNNI || path == PATH_AMX) && k > W8A8_MAX_K))
         return -2;
     if (m <= 0) return 0;
     const int64_t y_cols = gate_up ? s.half : n;
@@ -867,7 +869,7 @@ int matmul_int8(const void *x, int64_t x_stride, int64_t m, int bf16, const int8
     if (path == PATH_AVX512) rc = avx512_weight_only(xf, m, packed, ws, bias, &s, y, y_cols);
     else
 #endif
-        portable_weight_only(xf, m, packed, ws, bias, &s, y, y_cols);
+        portable_weight_only(xf, NULL, m, packed, ws, bias, &s, y, y_cols);
     free(xf);
     return rc;
 }

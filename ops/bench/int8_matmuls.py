@@ -45,7 +45,7 @@ def _time_step(weights: list[dict], kind: str, rows: int, dtype: torch.dtype,
                 cpu_kernels.amx_linear(x, w["bf16"], None, w["n"], w["gate_up"])
             else:
                 cpu_kernels.int8_linear(x, w["int8"], w["scale"], w["sums"], None, w["n"],
-                                        w["gate_up"], kind == "w8a8")
+                                        w["k"], w["gate_up"], kind == "w8a8")
 
     step()
     times = []

@@ -176,9 +176,15 @@ class GGUFFile:
             yield name, self.dequantized(name)
 
     def packed_type(self, name: str, k: int) -> int:
-        """The type `name` is kept in: its own where a kernel takes it, else Q8_0."""
+        """The type `name` is kept in: its own where a kernel takes it, else Q8_0. Raises
+        ValueError for K not a multiple of 32 (an F16 / F32 matrix can have one): every packed
+        type, Q8_0 included, is blocks of 32 weights of a row."""
+        if k % 32:
+            raise ValueError(f"{name}: {k} inputs, not a multiple of 32: --quantization gguf "
+                             f"keeps matrices in blocks of 32 weights of a row; load the file "
+                             f"without --quantization to run it dense")
         qtype = int(self.tensors[name].tensor_type)
-        return qtype if qtype in PACKED_TYPES and k % 32 == 0 else Q8_0
+        return qtype if qtype in PACKED_TYPES else Q8_0
 
     def packed_into(self, weight: GGUFWeight, names: list[str]) -> None:
         """Fill `weight` with the tensors `names` stacked by rows, one part per run of tensors

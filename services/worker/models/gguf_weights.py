@@ -5,7 +5,8 @@ for Q4_1) are split once, at load, into the arrays kernels/cpu/matmul_gguf.c str
 file's bytes per weight: `qs` (Q8_0: q + 128 as uint8 [N, K]; Q4: each block's 16 nibble bytes
 as in the file, [N, K / 2]), `d` and, for Q4_1, `m` (fp16 [N, K / 32]). A weight of another
 type (Q4_K, Q6_K, F16, ...) is dequantized to fp32, one tensor at a time, and requantized to
-Q8_0: larger than its file, but only these three have a kernel.
+Q8_0: larger than its file, but only these three have a kernel. (K must be a multiple of 32:
+gguf_load.py refuses a matrix that is not, naming it.)
 
 How a matmul runs, by the number of rows of x:
 - up to `KERNEL_MAX_ROWS`: the quantized kernel (x quantized to 8-bit blocks, integer dot
@@ -32,8 +33,9 @@ _BLOCK_BYTES = {Q8_0: 34, Q4_0: 18, Q4_1: 20}
 
 # The quantized kernel up to this many rows of x, a dequantized temporary and the dense matmul
 # above: where the two took the same time on the default model's shapes (576 x 3072 and
-# 1536 x 576, Q4_1; see docs/quantization.md). The kernel's time grows with the rows (every
-# row is another pass of integer products), the temporary's cost is fixed.
+# 1536 x 576, Q4_1; python -m ops.bench.gguf_matmuls, figures in docs/quantization.md). The
+# kernel's time grows with the rows (every row is another pass of integer products), the
+# temporary's cost is fixed.
 KERNEL_MAX_ROWS = {torch.float32: 32, torch.bfloat16: 16}
 
 
@@ -114,6 +116,9 @@ def fill_from_float(part: GGUFPart, start: int, weight: torch.Tensor) -> None:
     block's absmax / 127 as fp16 scale, values rounded against it, as llama.cpp's Q8_0)."""
     assert part.qtype == Q8_0
     rows, k = weight.shape
+    if k % BLOCK or part.d.shape[1] != k // BLOCK:
+        raise ValueError(f"Q8_0 requantization: a weight of {k} inputs does not fill blocks of "
+                         f"{BLOCK} in a part of {part.d.shape[1]} blocks a row")
     w = weight.float().reshape(rows, k // BLOCK, BLOCK)
     d = (w.abs().amax(dim=-1) / 127.0).half()
     inv = torch.where(d.float() > 0, 1.0 / d.float(), torch.zeros_like(d, dtype=torch.float32))

@@ -4,8 +4,9 @@ Each weight [out, in] is kept as int8 `q` with one fp32 scale per output row,
 `s = max|w_row| / 127` (symmetric, no zero point), so that w ~ q * s[:, None]; only q (a
 quarter of fp32, half of bf16) and s stay in memory.
 - int8: activations keep their dtype (under 16 rows on VNNI they go in as 24-bit fixed point
-  per row: bf16 values down to 2^-16 of the row's largest exactly, anything else rounded at
-  2^-24 of the largest).
+  per row, a power-of-two step s = 2^(e - 23) for the row's largest in [2^(e-1), 2^e): bf16
+  values of at least 2^-15 of the row's largest exactly, anything else rounded to a multiple of
+  s, at most 2^-23 of the largest off).
 - w8a8: each row of activations is quantized to int8 too (its own scale, max|x| / 127, at every
   call), the products are summed in int32, and the output is acc * x_scale * w_scale.
 The kernels are kernels/cpu/matmul_int8.c: q is packed into its panels at load, and a gate/up
@@ -24,7 +25,8 @@ QUANTIZATIONS = ("int8", "w8a8")
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A weight [out, in] -> (q [out, in] int8, s [out] fp32): q = round(w / s) in [-127, 127]."""
+    """A weight [out, in] (or w8a8's activations [rows, in]) -> (q [out, in] int8, s [out]
+    fp32): s = max|row| / 127 (1 for a zero row), q = round(w / s) in [-127, 127]."""
     w = weight.detach().float()  # one tensor at a time: the only fp32 copy made
     scale = w.abs().amax(dim=1) / 127.0
     # An all-zero row: any scale gives q = 0; 1 avoids 0 / 0.
@@ -56,27 +58,20 @@ def int8_rows(data: torch.Tensor, out_features: int, in_features: int,
     return cpu_kernels.unpack_int8_weight(data, out_features, in_features, gate_up)
 
 
-def _quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    xf = x.float()
-    scale = xf.abs().amax(dim=1, keepdim=True) / 127.0
-    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    return torch.round(xf / scale).clamp_(-127, 127).to(torch.int8), scale
-
-
 def int8_linear(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
                 weight_sums: torch.Tensor | None, bias: torch.Tensor | None, out_features: int,
-                gate_up: bool, w8a8: bool) -> torch.Tensor:
+                in_features: int, gate_up: bool, w8a8: bool) -> torch.Tensor:
     """x [..., in] (q * s[:, None])^T (+ b) in x's dtype (w8a8: x quantized per row first);
     SiLU(gate) * up of that for a fused `gate_up` weight."""
     if data.dim() == 1 and x.dtype in (torch.bfloat16, torch.float32):
-        return cpu_kernels.int8_linear(x, data, scale, weight_sums, bias, out_features, gate_up,
-                                       w8a8)
-    lead, k = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, k)
-    q = int8_rows(data, out_features, k, gate_up)
+        return cpu_kernels.int8_linear(x, data, scale, weight_sums, bias, out_features,
+                                       in_features, gate_up, w8a8)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    q = int8_rows(data, out_features, in_features, gate_up)
     if w8a8:
-        xq, xs = _quantize_activations(x2)
-        out = (torch._int_mm(xq, q.t()).float() * xs * scale).to(x.dtype)
+        xq, xs = quantize_rows(x2)
+        out = (torch._int_mm(xq, q.t()).float() * xs[:, None] * scale).to(x.dtype)
     else:
         out = x2 @ (q.to(x.dtype) * scale.to(x.dtype)[:, None]).t()
     if bias is not None:

@@ -1,0 +1,100 @@
+"""Matmuls on GGUF block-quantized weights (matmul_gguf.c): Q8_0, Q4_0 and Q4_1 in the layout
+of services/worker/models/gguf_weights.py, multiplied without a dequantized copy or dequantized
+row by row. The C code trusts every shape it is given: the checks here are what keeps a
+mismatched weight from reading past its arrays."""
+import torch
+
+from kernels.cpu.bind import bound_function, data_ptr
+from kernels.cpu.build import load, unavailable_reason
+
+_Q4_0, _Q4_1, _Q8_0 = 2, 3, 8  # ggml's type ids
+
+
+def gguf_simd_available() -> bool:
+    """Whether the GGUF matmul has its AVX-512 VNNI path here (built for a CPU with it)."""
+    lib = load()
+    return lib is not None and bool(lib.gguf_simd_available())
+
+
+def set_gguf_simd(on: bool) -> None:
+    """Use (default) or bypass the VNNI GGUF matmul, for comparing it with the plain C loop on
+    one machine. Process-wide."""
+    lib = load()
+    if lib is not None:
+        lib.set_gguf_simd(int(on))
+
+
+def _check_blocks(what: str, qtype: int, qs: torch.Tensor, d: torch.Tensor,
+                  m: torch.Tensor | None, k: int) -> int:
+    """ValueError unless qs, d (and m for Q4_1) are contiguous arrays of a weight [n, k] of
+    `qtype`; -> n. (Runs for every matmul of a step: one pass of cheap tests, the message
+    only on failure.)"""
+    n = d.shape[0] if d.dim() == 2 else -1
+    nb = k // 32
+    if (k > 0 and k % 32 == 0 and n >= 0 and d.shape[1] == nb and d.dtype == torch.float16
+            and d.is_contiguous() and qs.dtype == torch.uint8 and qs.is_contiguous()
+            and qs.shape == (n, k if qtype == _Q8_0 else k // 2)
+            and (qtype == _Q8_0 or qtype == _Q4_0
+                 or (qtype == _Q4_1 and m is not None and m.shape == d.shape
+                     and m.dtype == torch.float16 and m.is_contiguous()))):
+        return n
+    if qtype not in (_Q8_0, _Q4_0, _Q4_1) or k <= 0 or k % 32:
+        raise ValueError(f"{what}: type {qtype} with K = {k}: the kernel takes Q8_0 (8), Q4_0 "
+                         f"(2) and Q4_1 (3) with K a multiple of 32")
+    got = ", ".join(f"{name} {'None' if t is None else f'{tuple(t.shape)} {t.dtype}'}"
+                    f"{'' if t is None or t.is_contiguous() else ' not contiguous'}"
+                    for name, t in (("qs", qs), ("d", d), ("m", m)))
+    raise ValueError(f"{what}: a type {qtype} weight of K = {k} needs contiguous qs uint8 "
+                     f"[n, {k if qtype == _Q8_0 else k // 2}], d float16 [n, {nb}]"
+                     f"{f', m float16 [n, {nb}]' if qtype == _Q4_1 else ''}; got {got}")
+
+
+def gguf_matmul(x: torch.Tensor, qtype: int, qs: torch.Tensor, d: torch.Tensor,
+                m: torch.Tensor | None, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    """out [rows, n] (rows at any stride, unit column stride) = x [rows, k] W^T (+ bias [n]), W
+    in the layout of matmul_gguf.c (qs uint8, d and m fp16 [n, k / 32], contiguous); x, bias
+    and out in one dtype, float32 or bfloat16; x's rows contiguous. Raises ValueError, before
+    anything is written, for arrays that do not fit one another."""
+    if x.dim() != 2:
+        raise ValueError(f"gguf matmul: x must be 2-d [rows, k], got {tuple(x.shape)}")
+    rows, k = x.shape
+    n = _check_blocks("gguf matmul", qtype, qs, d, m, k)
+    fn = bound_function("gguf_matmul", x.dtype)
+    if fn is None:
+        raise RuntimeError(f"gguf matmul is unavailable for {x.dtype}: "
+                           f"{unavailable_reason() or 'dtype not supported'}")
+    if not (x.stride(1) == 1 and out.dtype == x.dtype and out.shape == (rows, n)
+            and out.stride(1) == 1 and (bias is None or (bias.dtype == x.dtype
+                                                         and bias.shape == (n,)
+                                                         and bias.is_contiguous()))):
+        raise ValueError(f"gguf matmul: x {tuple(x.shape)} {x.dtype}, out {tuple(out.shape)} "
+                         f"{out.dtype} do not fit a weight of {n} rows")
+    rc = fn(x.data_ptr(), x.stride(0), rows, k, qtype, qs.data_ptr(), d.data_ptr(),
+            data_ptr(m), n, data_ptr(bias), out.data_ptr(), out.stride(0))
+    if rc != 0:
+        raise RuntimeError(f"gguf matmul cannot run type {qtype}, [{rows}, {k}] x [{n}, {k}]^T "
+                           f"(error {rc})")
+
+
+def gguf_dequantize(qtype: int, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
+                    k: int, dtype: torch.dtype, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The rows `ids` (int64; all rows when None) of a weight in matmul_gguf.c's layout,
+    dequantized to `dtype` (float32 or bfloat16) exactly as gguf.quants.dequantize does (then
+    rounded to bf16). Raises ValueError for arrays that do not fit one another or K, IndexError
+    for an id outside the weight."""
+    n = _check_blocks("gguf dequantize", qtype, qs, d, m, k)
+    fn = bound_function("gguf_dequantize", dtype)
+    if fn is None:
+        raise RuntimeError(f"gguf dequantize is unavailable for {dtype}: "
+                           f"{unavailable_reason() or 'dtype not supported'}")
+    if ids is not None:
+        if ids.dtype != torch.int64:
+            raise ValueError(f"gguf dequantize: ids must be int64, got {ids.dtype}")
+        ids = ids.contiguous()
+    count = n if ids is None else ids.numel()
+    out = torch.empty(count, k, dtype=dtype)
+    rc = fn(qtype, qs.data_ptr(), d.data_ptr(), data_ptr(m), n, k, data_ptr(ids), count,
+            out.data_ptr())
+    if rc != 0:
+        raise IndexError(f"gguf dequantize: type {qtype}, ids must lie in [0, {n})")
+    return out
