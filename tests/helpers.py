@@ -1,5 +1,8 @@
-"""Shared test helpers: a small paged-batch planner and tiny random models."""
+"""Shared test helpers: a small paged-batch planner, tiny random models, and a model's greedy
+tokens and perplexity against a reference model's."""
+import math
 import random
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -137,3 +140,61 @@ def new_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_head
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
             for _ in range(num_layers)]
+
+
+# --- a model against a reference: greedy tokens up to near-ties, perplexity ----------------------
+
+_remembered: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
+
+
+def once_per_model(llm, key, compute):
+    """compute(), remembered for `llm` (held weakly) under `key`: the session's reference
+    model's outputs serve several tests and modules, and are the same each time."""
+    per_model = _remembered.setdefault(llm, {})
+    if key not in per_model:
+        per_model[key] = compute()
+    return per_model[key]
+
+
+def greedy_outputs(llm, prompts: list[str], max_tokens: int, top_k: int):
+    """Greedy completions of `max_tokens` (end of text ignored) with each step's top-k logprobs."""
+    from pagoda import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=top_k,
+                            ignore_eos=True)
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+def greedy_agreement(ref_outputs, outputs, top_k: int, names: tuple[str, str]
+                     ) -> tuple[int, list[str]]:
+    """How many sequences agree: identical, or first differing at a near-tie (each side's token
+    in the other's top-k there); and a line for each that differs."""
+    agreeing, lines = 0, []
+    for i, (a, b) in enumerate(zip(ref_outputs, outputs)):
+        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
+        assert len(ta) == len(tb), (len(ta), len(tb))
+        pos = first_difference(ta, tb)
+        if pos is None:
+            agreeing += 1
+            continue
+        # Each side's logprobs at pos hold its top-k (and its sampled token).
+        top_a, top_b = (sorted(lp, key=lp.get, reverse=True)[:top_k]
+                        for lp in (a.outputs[0].logprobs[pos], b.outputs[0].logprobs[pos]))
+        near_tie = ta[pos] in top_b and tb[pos] in top_a
+        agreeing += near_tie
+        lines.append(f"prompt {i}, position {pos}: {names[0]} {ta[pos]} top-{top_k} {top_a}, "
+                     f"{names[1]} {tb[pos]} top-{top_k} {top_b} "
+                     f"({'near-tie' if near_tie else 'DIVERGED'})")
+    return agreeing, lines
+
+
+def perplexity(llm, token_ids: list[int]) -> float:
+    """exp of the mean negative log-likelihood of every token after the first."""
+    from pagoda import SamplingParams
+    out = llm.generate(prompt_token_ids=[token_ids], use_tqdm=False,
+                       sampling_params=SamplingParams(prompt_logprobs=1, max_tokens=1))[0]
+    nll = [-lp[t] for t, lp in zip(token_ids[1:], out.prompt_logprobs[1:])]
+    return math.exp(sum(nll) / len(nll))

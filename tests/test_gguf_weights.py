@@ -11,20 +11,21 @@ import pytest
 import torch
 
 from kernels import cpu as cpu_kernels
-from pagoda import LLM, SamplingParams
+from pagoda import LLM
 from services.worker.models import gguf_weights
 from services.worker.models.gguf_weights import (Q4_0, Q4_1, Q8_0, GGUFWeight, allocate_part,
                                                  fill_from_blocks, fill_from_float)
 from services.worker.models.linear import Linear
 from shared.config import ConfigError, EngineArgs
 from shared.model_source import default_model_path
+from tests.helpers import greedy_agreement, greedy_outputs, perplexity
 from tests.test_int8_weights import (MAX_TOKENS, MIN_AGREEING, PROMPTS, TEXT, TOP_K,
-                                     first_difference, perplexity)
+                                     reference_greedy, reference_perplexity)
 
 gguf = pytest.importorskip("gguf")
 
 TYPES = {"Q8_0": Q8_0, "Q4_0": Q4_0, "Q4_1": Q4_1}
-ROWS = [1, 3, 16, 64, 130]
+ROWS = [1, 3, 16, 130]  # the VNNI tiles' 4 rows: fewer, whole ones, and whole ones and a tail
 SHAPES = [(32, 8), (96, 33), (160, 17), (576, 64)]  # (K, N): 1, 3, 5 and 18 blocks a row
 
 
@@ -125,6 +126,52 @@ def test_gguf_dequantize_is_ggufs_own(qtype):
         weight.dequantize(torch.float32, torch.tensor([37]))
 
 
+def test_gguf_kernels_refuse_arrays_that_do_not_fit_before_reading_them():
+    """The C code trusts its shapes: each mismatch is a ValueError naming what does not fit,
+    and nothing is written."""
+    weight, _ = _weight(Q4_1, 8, 64, seed=4)
+    p = weight.parts[0]
+    x, out = torch.randn(2, 64), torch.full((2, 8), float("nan"))
+    bad = {
+        "x of another K": (torch.randn(2, 96), Q4_1, p.qs, p.d, p.m),
+        "qs of another type": (x, Q4_1, p.qs.view(torch.int8), p.d, p.m),
+        "qs of fewer rows": (x, Q4_1, p.qs[:4], p.d, p.m),
+        "qs not contiguous": (x, Q4_1, torch.zeros(8, 64, dtype=torch.uint8)[:, ::2], p.d, p.m),
+        "d in fp32": (x, Q4_1, p.qs, p.d.float(), p.m),
+        "Q4_1 without m": (x, Q4_1, p.qs, p.d, None),
+        "m of other rows": (x, Q4_1, p.qs, p.d, p.m[:4]),
+        "Q8_0 on Q4 bytes": (x, Q8_0, p.qs, p.d, None),
+        "K not whole blocks": (torch.randn(2, 48), Q8_0, torch.zeros(8, 48, dtype=torch.uint8),
+                               torch.zeros(8, 1, dtype=torch.float16), None),
+    }
+    for what, (xb, qtype, qs, d, m) in bad.items():
+        with pytest.raises(ValueError, match="^gguf matmul: "):
+            cpu_kernels.gguf_matmul(xb, qtype, qs, d, m, None, out[:, :d.shape[0]])
+        assert out.isnan().all(), what
+        with pytest.raises(ValueError, match="^gguf dequantize: "):
+            cpu_kernels.gguf_dequantize(qtype, qs, d, m, xb.shape[1], torch.float32)
+    with pytest.raises(ValueError, match="qs uint8 \\[n, 32\\].*qs \\(8, 32\\) torch.int8"):
+        cpu_kernels.gguf_matmul(x, Q4_1, p.qs.view(torch.int8), p.d, p.m, None, out)
+
+
+def test_a_gguf_matrix_whose_k_is_not_whole_blocks_is_refused_by_name(tmp_path):
+    """An F16 matrix of 40 inputs: no block type holds it, so the packed load names it."""
+    from types import SimpleNamespace
+
+    from services.worker.models.gguf_load import GGUFFile
+    path = str(tmp_path / "odd.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tensor("blk.0.ffn_down.weight", np.ones((8, 40), dtype=np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    file = GGUFFile(path, SimpleNamespace(num_attention_heads=4, num_key_value_heads=4))
+    with pytest.raises(ValueError, match="^model.layers.0.mlp.down_proj.weight: 40 inputs, not "
+                                         "a multiple of 32"):
+        file.packed_into(GGUFWeight(40), ["model.layers.0.mlp.down_proj.weight"])
+
+
 def test_a_type_without_a_kernel_is_requantized_to_q8_0_within_half_a_step():
     torch.manual_seed(0)
     w = torch.randn(20, 64) * torch.logspace(-3, 1, 20)[:, None]
@@ -166,23 +213,10 @@ def _model(llm: LLM):
     return llm.llm_engine.executor.worker.model_runner.model
 
 
-def _greedy_agreement(ref, llm: LLM, label: str) -> int:
-    a_out = ref.generate(PROMPTS, _greedy_params(), use_tqdm=False)
-    b_out = llm.generate(PROMPTS, _greedy_params(), use_tqdm=False)
-    agreeing, lines = 0, []
-    for i, (a, b) in enumerate(zip(a_out, b_out)):
-        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
-        assert len(ta) == len(tb) == MAX_TOKENS
-        pos = first_difference(ta, tb)
-        if pos is None:
-            agreeing += 1
-            continue
-        top_a, top_b = (sorted(lp, key=lp.get, reverse=True)[:TOP_K]
-                        for lp in (a.outputs[0].logprobs[pos], b.outputs[0].logprobs[pos]))
-        near_tie = ta[pos] in top_b and tb[pos] in top_a
-        agreeing += near_tie
-        lines.append(f"prompt {i}, position {pos}: dequantized {ta[pos]}, packed {tb[pos]} "
-                     f"({'near-tie' if near_tie else 'DIVERGED'})")
+def _greedy_agreement(ref_outputs, llm: LLM, label: str) -> int:
+    out = greedy_outputs(llm, PROMPTS, MAX_TOKENS, TOP_K)
+    assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in out)
+    agreeing, lines = greedy_agreement(ref_outputs, out, TOP_K, ("dequantized", "packed"))
     print(f"\n{label}: packed vs dequantized, {agreeing}/{len(PROMPTS)} agree over "
           f"{MAX_TOKENS} tokens, {len(lines)} differ")
     for line in lines:
@@ -190,7 +224,15 @@ def _greedy_agreement(ref, llm: LLM, label: str) -> int:
     return agreeing
 
 
-def test_the_gguf_model_holds_the_files_blocks(gguf_llm):
+@pytest.fixture(scope="module")
+def file_tensors() -> list[tuple[tuple[int, ...], int]]:
+    """(shape, bytes) of each tensor of the default model's file, read once by gguf's reader
+    (which parses the whole vocabulary too)."""
+    reader = gguf.GGUFReader(default_model_path())
+    return [(tuple(int(d) for d in t.shape), int(t.n_bytes)) for t in reader.tensors]
+
+
+def test_the_gguf_model_holds_the_files_blocks(gguf_llm, file_tensors):
     model = _model(gguf_llm)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears and all(m.packed.kind == "gguf" and m.weight.device.type == "meta"
@@ -198,10 +240,26 @@ def test_the_gguf_model_holds_the_files_blocks(gguf_llm):
     embed = model.model.embed_tokens
     assert embed.weight.device.type == "meta" and embed.packed.parts[0].qtype == Q8_0
     assert model.lm_head_packed.gguf is embed.packed  # the tied head: the same blocks
-    reader = gguf.GGUFReader(default_model_path())
-    matrices = sum(int(t.n_bytes) for t in reader.tensors if len(t.shape) == 2)
+    matrices = sum(n_bytes for shape, n_bytes in file_tensors if len(shape) == 2)
     held = sum(m.packed.gguf.nbytes for m in linears) + embed.packed.nbytes
     assert held == matrices  # the file's bytes per weight
+
+
+def dense_once(monkeypatch) -> None:
+    """Within the monkeypatch: a whole packed weight's dequantized copy is made once and kept
+    (embedding lookups, which dequantize rows, are left as they are)."""
+    copies: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+    dequantize = GGUFWeight.dequantize
+
+    def once(self, dtype, ids=None):
+        if ids is not None:
+            return dequantize(self, dtype, ids)
+        key = (id(self), dtype)
+        if key not in copies:
+            copies[key] = dequantize(self, dtype)
+        return copies[key]
+
+    monkeypatch.setattr(GGUFWeight, "dequantize", once)
 
 
 def _kernel_perplexity(llm: LLM, token_ids: list[int], monkeypatch) -> float:
@@ -217,9 +275,10 @@ def _kernel_perplexity(llm: LLM, token_ids: list[int], monkeypatch) -> float:
 def test_gguf_q4_1_greedy_and_perplexity_match_the_dequantized_file(llm, gguf_llm, tokenizer,
                                                                      monkeypatch):
     """Against the session `llm`: the same file dequantized on load (today's default path)."""
-    assert _greedy_agreement(llm, gguf_llm, "Q4_1") >= MIN_AGREEING
+    assert _greedy_agreement(reference_greedy(llm), gguf_llm, "Q4_1") >= MIN_AGREEING
     token_ids = tokenizer.encode(TEXT)
-    ref, q = perplexity(llm, token_ids), _kernel_perplexity(gguf_llm, token_ids, monkeypatch)
+    ref = reference_perplexity(llm, token_ids)
+    q = _kernel_perplexity(gguf_llm, token_ids, monkeypatch)
     print(f"Q4_1 perplexity over {len(token_ids)} tokens: dequantized {ref:.4f}, packed "
           f"(kernel on every row) {q:.4f} ({100 * (q / ref - 1):+.2f}%)")
     assert abs(q / ref - 1) <= 0.02
@@ -229,37 +288,22 @@ def test_gguf_q8_0_copy_greedy_and_perplexity_match_the_dequantized_file(q8_file
                                                                          monkeypatch):
     """The reference is the same packed model with the kernel off: each matmul then runs the
     weight dequantized exactly as gguf dequantizes it (test_gguf_dequantize_is_ggufs_own), the
-    values a dequantizing load of the file holds, without loading the file a second time."""
+    values a dequantizing load of the file holds, without loading the file a second time.
+    Each weight is dequantized once for the whole reference, not at every step."""
     packed = LLM(model=q8_file, quantization="gguf", kv_cache_space_gib=0.25, swap_space=0.05)
     assert {p.qtype for m in _model(packed).modules() if isinstance(m, Linear)
             for p in m.packed.gguf.parts} == {Q8_0}
-    with monkeypatch.context() as m:
-        m.setattr(gguf_weights, "KERNEL_MAX_ROWS", {})
-        dense = _Outputs(packed)
-    assert _greedy_agreement(dense, packed, "Q8_0") >= MIN_AGREEING
     token_ids = tokenizer.encode(TEXT)
     with monkeypatch.context() as m:
         m.setattr(gguf_weights, "KERNEL_MAX_ROWS", {})
+        dense_once(m)
+        dense = greedy_outputs(packed, PROMPTS, MAX_TOKENS, TOP_K)
         ref = perplexity(packed, token_ids)
+    assert _greedy_agreement(dense, packed, "Q8_0") >= MIN_AGREEING
     q = _kernel_perplexity(packed, token_ids, monkeypatch)
     print(f"Q8_0 perplexity over {len(token_ids)} tokens: dequantized {ref:.4f}, packed "
           f"(kernel on every row) {q:.4f} ({100 * (q / ref - 1):+.2f}%)")
     assert abs(q / ref - 1) <= 0.02
-
-
-class _Outputs:
-    """An LLM's greedy outputs for PROMPTS, generated once, standing in for it in
-    `_greedy_agreement`."""
-
-    def __init__(self, llm: LLM):
-        self._outputs = llm.generate(PROMPTS, _greedy_params(), use_tqdm=False)
-
-    def generate(self, prompts, params, use_tqdm=False):
-        return self._outputs
-
-
-def _greedy_params() -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=TOP_K, ignore_eos=True)
 
 
 # --- memory ----------------------------------------------------------------------------------------
@@ -301,10 +345,9 @@ def _load_peak(quantization: str) -> int:
     return figures["peak"] - figures["baseline"]
 
 
-def test_a_packed_load_holds_the_packed_model_and_at_most_one_tensor_in_fp32():
-    reader = gguf.GGUFReader(default_model_path())
-    packed = sum(int(t.n_bytes) for t in reader.tensors)  # norms: F32 in the file and model
-    largest_fp32 = max(int(np.prod([int(d) for d in t.shape])) * 4 for t in reader.tensors)
+def test_a_packed_load_holds_the_packed_model_and_at_most_one_tensor_in_fp32(file_tensors):
+    packed = sum(n_bytes for _, n_bytes in file_tensors)  # norms: F32 in the file and model
+    largest_fp32 = max(int(np.prod(shape)) * 4 for shape, _ in file_tensors)
     margin = 48 << 20  # allocator and huge-page rounding, the model's small buffers
     grown = _load_peak("gguf")
     mib = 2 ** 20

@@ -3,18 +3,13 @@ too; services/worker/models/int8.py): the layers against a dequantized reference
 default model in each mode against the same model unquantized (the session `llm`, default
 dtype): greedy tokens up to near-ties, and perplexity on a text. The kernels' own paths and
 shapes: tests/test_int8_kernels.py."""
-import math
-
 import pytest
 import torch
 
-from pagoda import LLM, SamplingParams
+from pagoda import LLM
 from services.worker.models.int8 import int8_rows
 from services.worker.models.linear import Linear, SiluAndMulLinear
-
-# (K, N): multiples and non-multiples of 16 and 64; K = 100 is the padded bf16 case.
-SHAPES = [(64, 64), (100, 33), (48, 100), (576, 1536)]
-
+from tests.helpers import greedy_agreement, greedy_outputs, once_per_model, perplexity
 
 def _layer(cls, k: int, n: int, bias: bool, dtype: torch.dtype,
            quantization: str = "int8") -> Linear:
@@ -47,10 +42,13 @@ def _activations(x: torch.Tensor, quantization: str) -> torch.Tensor:
     return xf
 
 
+# The layer's wiring (packing, bias, dtype, the dropped weight) on a padded and a model-sized
+# shape, on the vector paths (1 row) and AMX's (64); the kernels' own grid of shapes and rows
+# is tests/test_int8_kernels.py's.
 @pytest.mark.parametrize("quantization", ["int8", "w8a8"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("k,n", SHAPES)
-@pytest.mark.parametrize("m", [1, 7, 64])
+@pytest.mark.parametrize("k,n", [(100, 33), (576, 1536)])
+@pytest.mark.parametrize("m", [1, 64])
 def test_int8_linear_matches_the_dequantized_weight(m, k, n, dtype, quantization):
     layer = _layer(Linear, k, n, bias=(m != 1), dtype=dtype, quantization=quantization)
     assert layer.packed.kind == quantization and layer.packed.data.dtype == torch.int8
@@ -176,50 +174,33 @@ def test_the_int8_model_holds_int8_matmul_weights_and_a_plain_embedding(int8_llm
         assert model.lm_head_packed.kind == kind
 
 
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+def reference_greedy(llm: LLM):
+    """The session model's greedy outputs for PROMPTS, generated once for every module."""
+    return once_per_model(llm, ("greedy", MAX_TOKENS, TOP_K),
+                          lambda: greedy_outputs(llm, PROMPTS, MAX_TOKENS, TOP_K))
+
+
+def reference_perplexity(llm: LLM, token_ids: list[int]) -> float:
+    return once_per_model(llm, ("perplexity", tuple(token_ids)),
+                          lambda: perplexity(llm, token_ids))
 
 
 def test_int8_greedy_tokens_agree_with_the_unquantized_model(llm, int8_llm):
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=TOP_K,
-                            ignore_eos=True)
-    ref = llm.generate(PROMPTS, params, use_tqdm=False)
-    out = int8_llm.generate(PROMPTS, params, use_tqdm=False)
-    agreeing, lines = 0, []
-    for i, (a, b) in enumerate(zip(ref, out)):
-        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
-        assert len(ta) == len(tb) == MAX_TOKENS
-        pos = first_difference(ta, tb)
-        if pos is None:
-            agreeing += 1
-            continue
-        # Each side's logprobs at pos hold its top-5 (and its sampled token).
-        top_a, top_b = (sorted(lp, key=lp.get, reverse=True)[:TOP_K]
-                        for lp in (a.outputs[0].logprobs[pos], b.outputs[0].logprobs[pos]))
-        near_tie = ta[pos] in top_b and tb[pos] in top_a
-        agreeing += near_tie
-        lines.append(f"prompt {i}, position {pos}: unquantized {ta[pos]} top-5 {top_a}, int8 "
-                     f"{tb[pos]} top-5 {top_b} ({'near-tie' if near_tie else 'DIVERGED'})")
+    out = greedy_outputs(int8_llm, PROMPTS, MAX_TOKENS, TOP_K)
+    assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in out)
+    agreeing, lines = greedy_agreement(reference_greedy(llm), out, TOP_K,
+                                       ("unquantized", _mode(int8_llm)))
     print(f"\n{_mode(int8_llm)} vs unquantized: {agreeing}/{len(PROMPTS)} agree over "
-          f"{MAX_TOKENS} tokens, "
-          f"{len(lines)} differ")
+          f"{MAX_TOKENS} tokens, {len(lines)} differ")
     for line in lines:
         print("  ", line)
     assert agreeing >= MIN_AGREEING, "\n".join(lines)
 
 
-def perplexity(llm: LLM, token_ids: list[int]) -> float:
-    """exp of the mean negative log-likelihood of every token after the first."""
-    out = llm.generate(prompt_token_ids=[token_ids], use_tqdm=False,
-                       sampling_params=SamplingParams(prompt_logprobs=1, max_tokens=1))[0]
-    nll = [-lp[t] for t, lp in zip(token_ids[1:], out.prompt_logprobs[1:])]
-    return math.exp(sum(nll) / len(nll))
-
-
 def test_int8_perplexity_is_within_two_percent_of_the_unquantized_model(llm, int8_llm, tokenizer):
     token_ids = tokenizer.encode(TEXT)
     assert len(token_ids) >= 300, len(token_ids)
-    ref, q = perplexity(llm, token_ids), perplexity(int8_llm, token_ids)
+    ref, q = reference_perplexity(llm, token_ids), perplexity(int8_llm, token_ids)
     print(f"\nperplexity over {len(token_ids)} tokens: unquantized {ref:.4f}, "
           f"{_mode(int8_llm)} {q:.4f} "
           f"({100 * (q / ref - 1):+.2f}%)")
