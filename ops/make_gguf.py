@@ -1,6 +1,6 @@
-"""Write a copy of a GGUF model with its matrices requantized to Q8_0 or Q4_0 (the metadata,
-tokenizer included, copied; 1-d tensors such as norms kept as they are), so that pagoda and
-llama.cpp can be measured on the same files:
+"""Write a copy of a GGUF model with its matrices requantized to Q8_0, Q4_0 or Q4_1 (the
+metadata, tokenizer included, copied; 1-d tensors such as norms kept as they are), so that
+pagoda and llama.cpp can be measured on the same files:
 
     .venv/bin/python ops/make_gguf.py --type Q8_0 /tmp/SmolLM2-135M-Instruct.Q8_0.gguf
 
