@@ -91,12 +91,11 @@ def expected(reference_bf16, prompts):
 def turn_kernels_off(monkeypatch) -> None:
     """PAGODA_CPU_KERNELS=0: `load()` decides once per process, so its decision and the bound
     functions are reset for it to read the variable again."""
-    from kernels import cpu
-    from kernels.cpu import build
+    from kernels.cpu import bind, build
     monkeypatch.setenv("PAGODA_CPU_KERNELS", "0")
     monkeypatch.setattr(build, "_lib", None)
     monkeypatch.setattr(build, "_failed", None)
-    monkeypatch.setattr(cpu, "_bound", {})
+    monkeypatch.setattr(bind, "_bound", {})
     assert build.load() is None
 
 
