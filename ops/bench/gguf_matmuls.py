@@ -8,13 +8,13 @@ given rows. Prints a table row per row count; best of `--repeats` runs, microsec
     .venv/bin/python -m ops.bench.gguf_matmuls --rows 1 8 16 32 64 128 --repeats 15
 """
 import argparse
-import time
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from kernels import cpu as cpu_kernels
+from ops.bench.timing import best_seconds
 
 SHAPES = [(576, 3072), (1536, 576)]  # (K, N): gate/up and down of SmolLM2-135M
 
@@ -28,16 +28,6 @@ def _weight(qtype_name: str, k: int, n: int):
     part = allocate_part(int(qtype), 0, n, k)
     fill_from_blocks(part, 0, gguf.quants.quantize(w, qtype))
     return GGUFWeight(k, [part])
-
-
-def _best_us(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e6
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -63,11 +53,11 @@ def main(argv: list[str] | None = None) -> None:
             for dtype in dtypes:
                 x = torch.randn(rows, shape[0]).to(dtype)
                 out = torch.empty(rows, shape[1], dtype=dtype)
-                kernel = _best_us(lambda: cpu_kernels.gguf_matmul(
+                kernel = 1e6 * best_seconds(lambda: cpu_kernels.gguf_matmul(
                     x, part.qtype, part.qs, part.d, part.m, None, out), args.repeats)
-                temporary = _best_us(lambda: F.linear(x, weight.dequantize(dtype)),
+                temporary = 1e6 * best_seconds(lambda: F.linear(x, weight.dequantize(dtype)),
                                      args.repeats)
-                alone = _best_us(lambda: F.linear(x, dense[(shape, dtype)]), args.repeats)
+                alone = 1e6 * best_seconds(lambda: F.linear(x, dense[(shape, dtype)]), args.repeats)
                 cells.append(f"{kernel:.0f} / {temporary:.0f} / {alone:.0f}")
         print(f"| {rows} | " + " | ".join(cells) + " |", flush=True)
 

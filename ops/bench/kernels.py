@@ -6,10 +6,11 @@ real step. Both sides run in the same process, alternately, and the ratio is tor
 """
 import argparse
 import json
-import time
 
 import torch
 import torch.nn.functional as F
+
+from ops.bench.timing import best_seconds
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,17 +22,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--model", default=None, help="take the shapes from this model")
     parser.add_argument("--output-json", default=None)
-
-
-def _time(fn, repeats: int) -> float:
-    """Best of `repeats` timed runs, in ms (after one warm-up run)."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
 
 
 def _cases(hf, dtype: torch.dtype, batch: int, context: int, block_size: int) -> dict:
@@ -147,8 +137,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"\n{name:10s} {'op':28s} {'torch':>9s} {'kernels':>9s} {'ratio':>7s}")
             for op, (torch_fn, kernel_fn) in _cases(hf, dtype, args.batch, args.context,
                                                       args.block_size).items():
-                t_torch = _time(torch_fn, args.repeats)
-                t_kernel = _time(kernel_fn, args.repeats)
+                t_torch = 1e3 * best_seconds(torch_fn, args.repeats)
+                t_kernel = 1e3 * best_seconds(kernel_fn, args.repeats)
                 total_torch += t_torch
                 total_kernels += t_kernel
                 print(f"{'':10s} {op:28s} {t_torch:9.2f} {t_kernel:9.2f} "

@@ -17,15 +17,7 @@ import time
 
 import torch
 
-
-def _best_ms(fn, repeats: int, clock) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = clock()
-        fn()
-        best = min(best, clock() - start)
-    return best * 1e3
+from ops.bench.timing import best_seconds
 
 
 def main() -> None:
@@ -81,7 +73,7 @@ def main() -> None:
         times = {name: float("inf") for name in ops}
         for _ in range(2):  # alternate, so that a busy moment does not favour one side
             for name, op in ops.items():
-                times[name] = min(times[name], _best_ms(
+                times[name] = min(times[name], 1e3 * best_seconds(
                     lambda op=op: op.forward(q, k, v, None, None, meta, scale), args.repeats,
                     clock))
         kernel, torch_ms = times["kernel"], times["torch"]
