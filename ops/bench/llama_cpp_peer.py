@@ -39,6 +39,10 @@ def generate(llm, prompt: list[int], n: int) -> float:
 
 def main() -> None:
     die_with_parent()
+    # Python put this script's folder first on the path, where ops/bench/kernels.py would
+    # pass for a package named `kernels` (transformers probes for one): drop it.
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
     job = json.loads(sys.stdin.readline())
     reply = os.fdopen(job["reply_fd"], "w", buffering=1)
     import llama_cpp
