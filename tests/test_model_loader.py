@@ -28,11 +28,10 @@ def pagoda_model(default_source):
 
 
 @pytest.fixture(scope="module")
-def transformers_model(default_source):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(default_source.folder,
-                                                gguf_file=default_source.gguf_file,
-                                                dtype=torch.float32).eval()
+def transformers_model(reference):
+    """The default GGUF model as transformers loads it in fp32: the session's reference model
+    (tests/conftest.py), loaded once for every module that compares against it."""
+    return reference.model
 
 
 def test_default_gguf_weights_equal_those_transformers_loads(pagoda_model, transformers_model):
