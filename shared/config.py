@@ -84,6 +84,9 @@ class CacheConfig:
     swap_space_gib: float  # CPU memory for swapped-out blocks (preemption_mode "swap" only)
     num_gpu_blocks_override: int | None
     enable_prefix_caching: bool
+    # What the cache blocks hold: "auto" (the model dtype), "fp8_e4m3", "fp8_e5m2" or "int8"
+    # (services/worker/cache_engine.py, docs/quantization.md).
+    kv_cache_dtype: str = "auto"
     # Filled in after the profile run (Executor.determine_num_available_blocks).
     num_device_blocks: int | None = None
     num_cpu_blocks: int | None = None
@@ -136,6 +139,7 @@ def load_hf_config(source: ModelSource):
 
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "int8")  # canonical --kv-cache-dtype names
 _GPU_MEMORY_UTILIZATION = 0.9  # defaults of the two per-device KV cache budgets
 _KV_CACHE_SPACE_GIB = 2.0
 
@@ -149,6 +153,11 @@ class EngineArgs:
     seed: int = 0
     max_model_len: int | None = None
     block_size: int = 16
+    kv_cache_dtype: str = field(default="auto", metadata={"help": (
+        "what the KV cache stores: auto (the model's --dtype), fp8 (= fp8_e4m3), fp8_e4m3, "
+        "fp8_e5m2 (8-bit floats, values saturated to the format's range, no scale), int8 (one "
+        "float32 scale per token and KV head); 8 bits hold 2x (bf16) or 4x (float32) the "
+        "tokens in the same space (default %(default)s)")})
     # Each sizes the KV cache on one device; None takes that device's default. Set on the
     # other device, it has no effect and a warning says so.
     gpu_memory_utilization: float | None = field(default=None, metadata={"help": (
@@ -220,6 +229,7 @@ class EngineArgs:
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ConfigError("block_size", f"must be one of 8, 16, 32, 64, 128, got {self.block_size}")
         gpu_memory_utilization, kv_cache_space_gib = self._kv_cache_budget(device)
+        kv_cache_dtype = self._kv_cache_dtype(device)
         if self.swap_space < 0:
             raise ConfigError("swap_space", f"must be >= 0, got {self.swap_space}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override <= 0:
@@ -275,7 +285,8 @@ class EngineArgs:
                 block_size=self.block_size, gpu_memory_utilization=gpu_memory_utilization,
                 kv_cache_space_gib=kv_cache_space_gib, swap_space_gib=self.swap_space,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
-                enable_prefix_caching=self.enable_prefix_caching),
+                enable_prefix_caching=self.enable_prefix_caching,
+                kv_cache_dtype=kv_cache_dtype),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_batched,
                 max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
@@ -396,6 +407,18 @@ class EngineArgs:
                         "gpu_memory_utilization size the KV cache",
                         kv_cache_space_gib=space, gpu_memory_utilization=gpu)
         return gpu, None
+
+    def _kv_cache_dtype(self, device: torch.device) -> str:
+        """The KV cache's storage, by its canonical name (`fp8` is `fp8_e4m3`)."""
+        name = {"fp8": "fp8_e4m3"}.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        if name not in KV_CACHE_DTYPES:
+            raise ConfigError("kv_cache_dtype", f"must be auto, fp8, fp8_e4m3, fp8_e5m2 or "
+                                                f"int8, got {self.kv_cache_dtype!r}")
+        if name != "auto" and device.type == "cuda" and self.attention_backend != "torch":
+            raise ConfigError("kv_cache_dtype", f"{name!r} is not in the Triton attention "
+                                                f"kernels yet; on CUDA it runs only with "
+                                                f"--attention-backend torch")
+        return name
 
     def _dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":

@@ -15,6 +15,7 @@ from kernels.cpu.bind import DTYPE_SUFFIX as _SUFFIX
 from kernels.cpu.bind import bound_function as _function
 from kernels.cpu.bind import data_ptr as _ptr
 from kernels.cpu.build import load, unavailable_reason
+from kernels.reference import cache_row_width
 from kernels.cpu.gguf import gguf_dequantize, gguf_matmul, gguf_simd_available, set_gguf_simd
 from kernels.cpu.int8 import (INT8_PATHS, int8_kernels_available, int8_linear, int8_paths,
                               pack_int8_weight, set_int8_path, unpack_int8_weight)
@@ -66,8 +67,11 @@ def supports(dtype: torch.dtype, device: torch.device, num_heads: int, num_kv_he
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                    value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """As kernels.reference.write_kv_cache: key/value [T, num_kv_heads, head_dim] (each token's
-    heads contiguous, tokens at any stride) -> the cache slots `slot_mapping` [T] int64."""
+    heads contiguous, tokens at any stride) -> the cache slots `slot_mapping` [T] int64,
+    quantized into an 8-bit cache."""
     tokens, num_kv_heads, head_dim = key.shape
+    if _Q8_CODES.get(key_cache.dtype) is not None:
+        return _write_kv_cache_q8(key, value, key_cache, value_cache, slot_mapping)
     fn = _function("kv_cache_write", None)
     if fn is None:
         raise RuntimeError(f"cpu kv cache write is unavailable: {unavailable_reason()}")
@@ -94,6 +98,42 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
                          f"{slots.min().item()}..{slots.max().item()}")
 
 
+# The 8-bit cache dtypes as kernels/cpu/kv_quant.h numbers them.
+_Q8_CODES = {torch.int8: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+
+
+def _write_kv_cache_q8(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                       value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """write_kv_cache into an 8-bit cache: each row quantized as kernels.reference.quantize_kv."""
+    tokens, num_kv_heads, head_dim = key.shape
+    fn = _function("kv_cache_write_q8", None)
+    if fn is None:
+        raise RuntimeError(f"cpu kv cache write is unavailable: {unavailable_reason()}")
+    if key.dtype not in _SUFFIX or value.dtype != key.dtype or value_cache.dtype != key_cache.dtype:
+        raise ValueError(f"kv cache write: {key.dtype} / {value.dtype} rows into "
+                         f"{key_cache.dtype} / {value_cache.dtype} caches")
+    for t in (key, value):
+        if t.stride(2) != 1 or t.stride(1) != head_dim or t.shape != key.shape:
+            raise ValueError(f"kv cache write: rows must be [{tokens}, {num_kv_heads}, {head_dim}] "
+                             f"with each token's heads contiguous, got {tuple(t.shape)} "
+                             f"strides {t.stride()}")
+    assert key_cache.is_contiguous() and value_cache.is_contiguous()
+    assert key_cache.shape[2:] == (num_kv_heads, cache_row_width(key_cache.dtype, head_dim))
+    assert value_cache.shape == key_cache.shape
+    slots = slot_mapping.contiguous()
+    assert slots.dtype == torch.int64 and slots.shape == (tokens,)
+    size = key.element_size()
+    num_slots = key_cache.shape[0] * key_cache.shape[1]
+    rc = fn(key.data_ptr(), key.stride(0) * size, value.data_ptr(), value.stride(0) * size,
+            key_cache.data_ptr(), value_cache.data_ptr(), slots.data_ptr(), tokens, num_kv_heads,
+            head_dim, int(key.dtype == torch.bfloat16), _Q8_CODES[key_cache.dtype], num_slots)
+    if rc == -1:
+        raise IndexError(f"kv cache slots must lie in [0, {num_slots}), got "
+                         f"{slots.min().item()}..{slots.max().item()}")
+    if rc != 0:
+        raise ValueError(f"kv cache write: head_dim {head_dim} into a {key_cache.dtype} cache")
+
+
 def _rows_contiguous(x: torch.Tensor) -> bool:
     """Each row (last dim) contiguous, rows at a fixed stride."""
     return x.dim() == 2 and x.stride(1) == 1
@@ -102,7 +142,8 @@ def _rows_contiguous(x: torch.Tensor) -> bool:
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
                            scale: float) -> torch.Tensor:
-    """As kernels.reference.paged_decode_attention, reading the cache blocks in place.
+    """As kernels.reference.paged_decode_attention, reading the cache blocks in place (an 8-bit
+    cache's rows converted as they are read).
     query [num_seqs, num_heads, head_dim] -> [num_seqs, num_heads, head_dim]."""
     del max_seq_len  # the kernel walks each sequence's own length
     num_seqs, num_heads, head_dim = query.shape
@@ -110,21 +151,26 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     if query.stride(2) != 1 or query.stride(1) != head_dim:
         query = query.contiguous()
     assert key_cache.is_contiguous() and value_cache.is_contiguous()
-    # The kernel reads every buffer as query's dtype, and the cache as [.., num_kv_heads, head_dim].
-    assert key_cache.dtype == value_cache.dtype == query.dtype
-    assert value_cache.shape == key_cache.shape and key_cache.shape[3] == head_dim
+    cache_code = _Q8_CODES.get(key_cache.dtype)
+    # The kernel reads the cache as [.., num_kv_heads, row]: query's dtype and head_dim, or an
+    # 8-bit format's rows (kernels/reference.py).
+    assert key_cache.dtype == value_cache.dtype
+    assert cache_code is not None or key_cache.dtype == query.dtype
+    assert (value_cache.shape == key_cache.shape
+            and key_cache.shape[3] == cache_row_width(key_cache.dtype, head_dim))
     assert block_tables.dtype == torch.int64 and seq_lens.dtype == torch.int64
     assert block_tables.dim() == 2 and block_tables.shape[0] == seq_lens.shape[0] == num_seqs
     block_tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
     seq_lens = seq_lens.contiguous()
     out = torch.empty(num_seqs, num_heads, head_dim, dtype=query.dtype)
-    fn = _function("paged_decode", query.dtype)
+    fn = _function("paged_decode" if cache_code is None else "paged_decode_q8", query.dtype)
     if fn is None:
         raise RuntimeError(f"cpu paged attention is unavailable for {query.dtype}: "
                            f"{unavailable_reason() or 'dtype not supported'}")
-    rc = fn(query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
+    args = (query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
             block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(),
             num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale)
+    rc = fn(*args) if cache_code is None else fn(*args, cache_code)
     if rc != 0:
         raise ValueError(f"cpu paged attention cannot run {num_heads} heads / {num_kv_heads} KV "
                          f"heads, head_dim {head_dim}, block_size {block_size}")

@@ -2,10 +2,19 @@
 preempted sequences are swapped out to."""
 import torch
 
+from kernels.reference import KV_CACHE_TORCH_DTYPES, cache_row_width
 from services.worker.host_memory import host_empty
 from shared.config import CacheConfig, ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+def kv_cache_dtype(cache_config: CacheConfig, model_config: ModelConfig) -> torch.dtype:
+    """The dtype the cache blocks hold: the model's for --kv-cache-dtype auto, else the 8-bit
+    one (the layouts are in kernels/reference.py)."""
+    if cache_config.kv_cache_dtype == "auto":
+        return model_config.dtype
+    return KV_CACHE_TORCH_DTYPES[cache_config.kv_cache_dtype]
 
 
 class CacheEngine:
@@ -22,8 +31,9 @@ class CacheEngine:
         self.num_device_blocks = cache_config.num_device_blocks
         self.num_cpu_blocks = cache_config.num_cpu_blocks
         num_kv_heads = num_kv_heads or model_config.num_kv_heads
-        block_shape = (self.block_size, num_kv_heads, model_config.head_dim)
-        dtype = model_config.dtype
+        dtype = self.dtype = kv_cache_dtype(cache_config, model_config)
+        block_shape = (self.block_size, num_kv_heads, cache_row_width(dtype,
+                                                                      model_config.head_dim))
         # K and V of a layer live in one [2, num_blocks, ...] tensor so that a swap or copy is
         # one index op per layer. Device blocks are zero-filled: attention masks padded slots
         # but still multiplies by them, so they must hold finite numbers. On the CPU they are on
@@ -36,9 +46,14 @@ class CacheEngine:
         self._cpu_kv = [torch.empty((2, self.num_cpu_blocks, *block_shape), dtype=dtype,
                                     pin_memory=pin)
                         for _ in range(model_config.num_layers)]
-        # Per layer (k, v), each [num_blocks, block_size, num_kv_heads, head_dim].
+        # Per layer (k, v), each [num_blocks, block_size, num_kv_heads, head_dim (+ 4: int8)].
         self.device_cache: list[KVCache] = [(kv[0], kv[1]) for kv in self._device_kv]
         self.cpu_cache: list[KVCache] = [(kv[0], kv[1]) for kv in self._cpu_kv]
+        # Blocks move as bytes (int8 scales ride in their rows): torch's index ops have no
+        # float8 kernels on the CPU.
+        if dtype.itemsize == 1:
+            self._device_kv = [kv.view(torch.uint8) for kv in self._device_kv]
+            self._cpu_kv = [kv.view(torch.uint8) for kv in self._cpu_kv]
 
     @torch.inference_mode()
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
@@ -74,7 +89,10 @@ class CacheEngine:
     @staticmethod
     def get_cache_block_size_bytes(cache_config: CacheConfig, model_config: ModelConfig,
                                    num_kv_heads: int | None = None) -> int:
-        """Bytes of one block: K and V, every layer (of `num_kv_heads`, default the model's)."""
+        """Bytes of one block as stored: K and V, every layer (of `num_kv_heads`, default the
+        model's), int8 scales included."""
         num_kv_heads = num_kv_heads or model_config.num_kv_heads
-        elements = cache_config.block_size * num_kv_heads * model_config.head_dim
-        return 2 * model_config.num_layers * elements * model_config.dtype.itemsize
+        dtype = kv_cache_dtype(cache_config, model_config)
+        elements = (cache_config.block_size * num_kv_heads
+                    * cache_row_width(dtype, model_config.head_dim))
+        return 2 * model_config.num_layers * elements * dtype.itemsize

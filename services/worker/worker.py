@@ -158,6 +158,7 @@ class Worker:
             draft.kv_caches = self.draft_cache_engine.device_cache
         log.info("kv cache ready", device_blocks=num_device_blocks, cpu_blocks=num_cpu_blocks,
                  block_size=cache.block_size,
+                 kv_cache_dtype=str(self.cache_engine.dtype).removeprefix("torch."),
                  attention_backend=self.model_runner.attn_backend.name)
         self.capture_decode_graphs()
 
