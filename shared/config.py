@@ -229,7 +229,7 @@ class EngineArgs:
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ConfigError("block_size", f"must be one of 8, 16, 32, 64, 128, got {self.block_size}")
         gpu_memory_utilization, kv_cache_space_gib = self._kv_cache_budget(device)
-        kv_cache_dtype = self._kv_cache_dtype(device)
+        kv_cache_dtype = self._kv_cache_dtype()
         if self.swap_space < 0:
             raise ConfigError("swap_space", f"must be >= 0, got {self.swap_space}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override <= 0:
@@ -408,16 +408,12 @@ class EngineArgs:
                         kv_cache_space_gib=space, gpu_memory_utilization=gpu)
         return gpu, None
 
-    def _kv_cache_dtype(self, device: torch.device) -> str:
+    def _kv_cache_dtype(self) -> str:
         """The KV cache's storage, by its canonical name (`fp8` is `fp8_e4m3`)."""
         name = {"fp8": "fp8_e4m3"}.get(self.kv_cache_dtype, self.kv_cache_dtype)
         if name not in KV_CACHE_DTYPES:
             raise ConfigError("kv_cache_dtype", f"must be auto, fp8, fp8_e4m3, fp8_e5m2 or "
                                                 f"int8, got {self.kv_cache_dtype!r}")
-        if name != "auto" and device.type == "cuda" and self.attention_backend != "torch":
-            raise ConfigError("kv_cache_dtype", f"{name!r} is not in the Triton attention "
-                                                f"kernels yet; on CUDA it runs only with "
-                                                f"--attention-backend torch")
         return name
 
     def _dtype(self, device: torch.device) -> torch.dtype:

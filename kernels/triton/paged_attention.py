@@ -9,6 +9,9 @@ h // (num_heads // num_kv_heads)). Layouts, as in the reference:
   block_tables             [num_seqs, max_blocks] int32/int64, padded with block 0
   seq_lens                 [num_seqs] int32/int64, >= 1
   out                      [num_seqs, num_heads, head_dim], the query's dtype
+The cache may also be 8-bit (int8, float8_e4m3fn, float8_e5m2; kernels/reference.py has the
+layouts): the kernels read its bytes and convert each tile to the query's dtype (int8 times its
+rows' scales), as the reference's dequantize_kv does.
 
 How the work is split (flash-decoding):
   * The attention kernel's grid is (num_seqs, num_kv_heads, num_partitions). A program takes one
@@ -28,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import reference
+
 # Scores are kept in log2 units so the kernels can use exp2: exp(x) == exp2(x * log2(e)).
 LOG2_E = 1.4426950408889634
 
@@ -41,6 +46,8 @@ REDUCE_CHUNK = 16
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# The kernels' CACHE_FORMAT: 0 for a cache in the query's dtype, else an 8-bit one read as bytes.
+CACHE_FORMATS = {torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
 
 
 def is_power_of_two(n: int) -> bool:
@@ -58,6 +65,63 @@ def kv_tile_offsets(block_table_row_ptr, token_pos, token_valid, block_size: tl.
     # int64: block_id * stride overflows int32 on caches over 2 GiB elements.
     return (block_id.to(tl.int64) * stride_cache_block
             + (token_pos % block_size).to(tl.int64) * stride_cache_token)
+
+
+@triton.jit
+def dequantize_tile(x, CACHE_FORMAT: tl.constexpr):
+    """uint8 cache bytes -> float32 values: int8 (before its rows' scales), or fp8 e4m3 / e5m2
+    by integer arithmetic (as kernels/cpu/kv_quant.h), which every GPU and the interpreter
+    run. The cache never holds fp8 NaN or inf codes (writes saturate)."""
+    if CACHE_FORMAT == 1:
+        return x.to(tl.int8, bitcast=True).to(tl.float32)
+    em = (x & 0x7F).to(tl.uint32)  # exponent and mantissa
+    if CACHE_FORMAT == 2:  # e4m3: bias 7, 3 mantissa bits; codes below 8 subnormal
+        normal = ((em << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+        mag = tl.where(em < 8, em.to(tl.float32) * 0.001953125, normal)
+    else:  # e5m2: bias 15, 2 mantissa bits; codes below 4 subnormal
+        normal = ((em << 21) + (112 << 23)).to(tl.float32, bitcast=True)
+        mag = tl.where(em < 4, em.to(tl.float32) * 0.0000152587890625, normal)
+    return tl.where((x & 0x80) != 0, -mag, mag)
+
+
+@triton.jit
+def int8_row_scales(cache_ptr, row_offsets, row_valid, HEAD_DIM: tl.constexpr):
+    """The float32 scales after the int8 cache rows at byte offsets `row_offsets`, put together
+    from their 4 little-endian bytes (the rows' addresses are not 4-aligned in general)."""
+    base = cache_ptr + row_offsets + HEAD_DIM
+    bits = tl.load(base, mask=row_valid, other=0).to(tl.uint32)
+    bits |= tl.load(base + 1, mask=row_valid, other=0).to(tl.uint32) << 8
+    bits |= tl.load(base + 2, mask=row_valid, other=0).to(tl.uint32) << 16
+    bits |= tl.load(base + 3, mask=row_valid, other=0).to(tl.uint32) << 24
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def load_k_tile(cache_ptr, token_offsets, token_valid, dims, dtype: tl.constexpr,
+                HEAD_DIM: tl.constexpr, CACHE_FORMAT: tl.constexpr):
+    """K of the tokens at `token_offsets`, transposed: [HEAD_DIM, tokens] in `dtype`."""
+    k = tl.load(cache_ptr + token_offsets[None, :] + dims[:, None], mask=token_valid[None, :],
+                other=0)
+    if CACHE_FORMAT != 0:
+        k = dequantize_tile(k, CACHE_FORMAT)
+        if CACHE_FORMAT == 1:
+            k = k * int8_row_scales(cache_ptr, token_offsets, token_valid, HEAD_DIM)[None, :]
+        k = k.to(dtype)
+    return k
+
+
+@triton.jit
+def load_v_tile(cache_ptr, token_offsets, token_valid, dims, dtype: tl.constexpr,
+                HEAD_DIM: tl.constexpr, CACHE_FORMAT: tl.constexpr):
+    """V of the tokens at `token_offsets`: [tokens, HEAD_DIM] in `dtype`."""
+    v = tl.load(cache_ptr + token_offsets[:, None] + dims[None, :], mask=token_valid[:, None],
+                other=0)
+    if CACHE_FORMAT != 0:
+        v = dequantize_tile(v, CACHE_FORMAT)
+        if CACHE_FORMAT == 1:
+            v = v * int8_row_scales(cache_ptr, token_offsets, token_valid, HEAD_DIM)[:, None]
+        v = v.to(dtype)
+    return v
 
 
 @triton.jit
@@ -99,6 +163,7 @@ def _paged_decode_kernel(
     PARTITION_SIZE: tl.constexpr,  # a multiple of BLOCK_N
     WRITE_PARTIALS: tl.constexpr,  # False: one partition, write the output directly
     UPCAST_DOT: tl.constexpr,  # see dot_fp32
+    CACHE_FORMAT: tl.constexpr,  # see CACHE_FORMATS
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -133,8 +198,8 @@ def _paged_decode_kernel(
             token_offsets = kv_tile_offsets(block_table_row, token_pos, token_valid, BLOCK_SIZE,
                                             stride_cache_block, stride_cache_token) + head_offset
             # K loaded transposed, [HEAD_DIM, BLOCK_N], so q @ k needs no tl.trans.
-            k = tl.load(key_cache_ptr + token_offsets[None, :] + dims[:, None],
-                        mask=token_valid[None, :], other=0.0)
+            k = load_k_tile(key_cache_ptr, token_offsets, token_valid, dims, q.dtype, HEAD_DIM,
+                            CACHE_FORMAT)
             scores = dot_fp32(q, k, UPCAST_DOT) * scale_log2  # [GROUP_PAD, BLOCK_N]
             scores = tl.where(token_valid[None, :], scores, float("-inf"))
 
@@ -145,8 +210,8 @@ def _paged_decode_kernel(
             probs = tl.exp2(scores - new_max[:, None])
             running_sum = running_sum * rescale + tl.sum(probs, axis=1)
 
-            v = tl.load(value_cache_ptr + token_offsets[:, None] + dims[None, :],
-                        mask=token_valid[:, None], other=0.0)
+            v = load_v_tile(value_cache_ptr, token_offsets, token_valid, dims, q.dtype, HEAD_DIM,
+                            CACHE_FORMAT)
             # P in V's dtype: the tensor cores' bf16/fp16 path; fp32 stays fp32.
             acc = acc * rescale[:, None] + dot_fp32(probs.to(v.dtype), v, UPCAST_DOT)
             running_max = new_max
@@ -237,12 +302,14 @@ def check_kv_cache(query: torch.Tensor, key_cache: torch.Tensor,
                          f"num_kv_heads, head_dim], got {tuple(key_cache.shape)} and "
                          f"{tuple(value_cache.shape)}")
     num_heads, head_dim = query.shape[1:]
-    _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    cache_head_dim = reference.cache_head_dim(key_cache)
     if query.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"query dtype {query.dtype} is unsupported (float32, float16, bfloat16)")
-    if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
-        raise ValueError(f"query, key_cache and value_cache must share a dtype, got "
-                         f"{query.dtype}, {key_cache.dtype}, {value_cache.dtype}")
+    if value_cache.dtype != key_cache.dtype or (key_cache.dtype != query.dtype
+                                                and key_cache.dtype not in CACHE_FORMATS):
+        raise ValueError(f"key_cache and value_cache must share the query's dtype or one 8-bit "
+                         f"dtype, got {query.dtype}, {key_cache.dtype}, {value_cache.dtype}")
     if cache_head_dim != head_dim:
         raise ValueError(f"query head_dim {head_dim} != cache head_dim {cache_head_dim}")
     if not is_power_of_two(head_dim) or head_dim < 16:
@@ -262,6 +329,16 @@ def check_kv_cache(query: torch.Tensor, key_cache: torch.Tensor,
         raise ValueError("key_cache and value_cache must be contiguous")
     check_runnable(query)
     return num_heads, num_kv_heads, head_dim, block_size
+
+
+def cache_bytes(key_cache: torch.Tensor, value_cache: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """What the kernels are passed for a cache: the caches themselves (CACHE_FORMAT 0), or an
+    8-bit cache's bytes (uint8 views, their strides in bytes) and its CACHE_FORMAT."""
+    cache_format = CACHE_FORMATS.get(key_cache.dtype, 0)
+    if cache_format:
+        return key_cache.view(torch.uint8), value_cache.view(torch.uint8), cache_format
+    return key_cache, value_cache, 0
 
 
 def check_index(name: str, t: torch.Tensor, dims: int, device: torch.device) -> None:
@@ -299,6 +376,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
     contexts longer than `partition_size` tokens are split across programs and combined.
     `block_n` (default min(64, partition_size)) is the tokens per K/V tile."""
     num_heads, num_kv_heads, head_dim, block_size = check_kv_cache(query, key_cache, value_cache)
+    key_cache, value_cache, cache_format = cache_bytes(key_cache, value_cache)
     num_seqs = query.shape[0]
     check_index("block_tables", block_tables, 2, query.device)
     check_index("seq_lens", seq_lens, 1, query.device)
@@ -344,7 +422,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
         num_heads, num_partitions,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_N=block_n, PARTITION_SIZE=partition_size, WRITE_PARTIALS=write_partials,
-        UPCAST_DOT=needs_upcast_dot(query.dtype, query.device),
+        UPCAST_DOT=needs_upcast_dot(query.dtype, query.device), CACHE_FORMAT=cache_format,
         num_warps=num_warps,
     )
     if write_partials:

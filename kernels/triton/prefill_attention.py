@@ -10,6 +10,7 @@ head h // (num_heads // num_kv_heads). Layouts, as in the reference:
   key_cache / value_cache  [num_blocks, block_size, num_kv_heads, head_dim]
   block_tables             [num_seqs, max_blocks] int32/int64, padded with block 0
   query_start_loc          [num_seqs + 1]; context_lens, seq_lens [num_seqs] (int32/int64)
+An 8-bit cache is read as the decode kernel reads it (paged_attention.py).
 
 How the work is split:
   * Grid (query tiles, num_kv_heads, num_seqs), query tiles = cdiv(max_query_len,
@@ -25,9 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.paged_attention import (LOG2_E, is_power_of_two, check_index,
-                                            check_kv_cache, check_out, dot_fp32,
-                                            kv_tile_offsets, needs_upcast_dot)
+from kernels.triton.paged_attention import (LOG2_E, cache_bytes, check_index, check_kv_cache,
+                                            check_out, dot_fp32, is_power_of_two,
+                                            kv_tile_offsets, load_k_tile, load_v_tile,
+                                            needs_upcast_dot)
 
 
 def default_tile_sizes(dtype: torch.dtype, head_dim: int) -> tuple[int, int]:
@@ -52,6 +54,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,  # rows per program: (token, head) pairs, a power of two >= GROUP
     BLOCK_N: tl.constexpr,  # keys per tile
     UPCAST_DOT: tl.constexpr,  # see paged_attention.dot_fp32
+    CACHE_FORMAT: tl.constexpr,  # see paged_attention.CACHE_FORMATS
 ):
     TOKENS_PER_TILE: tl.constexpr = BLOCK_M // GROUP
     query_tile = tl.program_id(0)
@@ -91,8 +94,8 @@ def _prefill_kernel(
             key_valid = key_pos < keys_end
             key_offsets = kv_tile_offsets(block_table_row, key_pos, key_valid, BLOCK_SIZE,
                                           stride_cache_block, stride_cache_token) + head_offset
-            k = tl.load(key_cache_ptr + key_offsets[None, :] + dims[:, None],
-                        mask=key_valid[None, :], other=0.0)  # [HEAD_DIM, BLOCK_N]
+            k = load_k_tile(key_cache_ptr, key_offsets, key_valid, dims, q.dtype, HEAD_DIM,
+                            CACHE_FORMAT)  # [HEAD_DIM, BLOCK_N]
             scores = dot_fp32(q, k, UPCAST_DOT) * scale_log2  # [BLOCK_M, BLOCK_N]
             # key_valid holds key_pos < seq_len (keys_end <= seq_len).
             visible = (key_pos[None, :] <= query_pos[:, None]) & key_valid[None, :]
@@ -105,8 +108,8 @@ def _prefill_kernel(
             probs = tl.exp2(scores - new_max[:, None])
             running_sum = running_sum * rescale + tl.sum(probs, axis=1)
 
-            v = tl.load(value_cache_ptr + key_offsets[:, None] + dims[None, :],
-                        mask=key_valid[:, None], other=0.0)
+            v = load_v_tile(value_cache_ptr, key_offsets, key_valid, dims, q.dtype, HEAD_DIM,
+                            CACHE_FORMAT)
             acc = acc * rescale[:, None] + dot_fp32(probs.to(v.dtype), v, UPCAST_DOT)
             running_max = new_max
 
@@ -127,6 +130,7 @@ def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     given). `max_query_len` (a host int, >= every sequence's query length) sizes the grid.
     `block_m` (rows of (token, head) pairs) and `block_n` (keys per tile) default by dtype."""
     num_heads, num_kv_heads, head_dim, block_size = check_kv_cache(query, key_cache, value_cache)
+    key_cache, value_cache, cache_format = cache_bytes(key_cache, value_cache)
     for name, t, dims in (("block_tables", block_tables, 2),
                           ("query_start_loc", query_start_loc, 1),
                           ("context_lens", context_lens, 1), ("seq_lens", seq_lens, 1)):
@@ -168,6 +172,6 @@ def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
         out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m,
         BLOCK_N=block_n, UPCAST_DOT=needs_upcast_dot(query.dtype, query.device),
-        num_warps=num_warps,
+        CACHE_FORMAT=cache_format, num_warps=num_warps,
     )
     return out
