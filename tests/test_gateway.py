@@ -97,12 +97,6 @@ def stack():
         shutil.rmtree(root, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def llm():
-    from pagoda import LLM
-    return LLM(kv_cache_space_gib=0.25, max_model_len=MAX_MODEL_LEN)
-
-
 @pytest.fixture
 def client(stack):
     return openai.OpenAI(base_url=stack.gateway_url + "/v1", api_key=API_KEY, max_retries=0,
