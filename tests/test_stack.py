@@ -7,7 +7,7 @@ import pytest
 import zmq
 
 from ops.launcher import LocalStack
-from pagoda import LLM, AsyncEngineClient, SamplingParams
+from pagoda import AsyncEngineClient, SamplingParams
 from proto.codec import decode, encode
 from proto.control import Register
 from proto.requests import AbortRequest, ErrorResponse, GenerateRequest, HealthRequest
@@ -42,8 +42,11 @@ def stack():
 
 
 @pytest.fixture(scope="module")
-def offline():
-    return LLM(**ENGINE_ARGS)
+def offline(llm):
+    """The in-process engine to compare with: the session's default LLM (tests/conftest.py);
+    greedy tokens do not depend on its larger max_num_seqs, and it is loaded once for every
+    module that needs one."""
+    return llm
 
 
 async def _collect(client, prompt, params, request_id=None):
