@@ -24,9 +24,14 @@ class Reference:
 
     def __init__(self, dtype: torch.dtype = torch.float32):
         from transformers import AutoModelForCausalLM
+
+        from shared.config import load_hf_config
         source = resolve_model(None)
+        # The config converted once and cached (shared/gguf_meta.py): given it, transformers
+        # reads the GGUF file for the weights only, not a second time for its metadata (~5 s).
         self.model = AutoModelForCausalLM.from_pretrained(
-            source.folder, gguf_file=source.gguf_file, dtype=dtype).eval()
+            source.folder, gguf_file=source.gguf_file, config=load_hf_config(source),
+            dtype=dtype).eval()
         self._greedy: dict[tuple, list[int]] = {}
 
     @torch.no_grad()
