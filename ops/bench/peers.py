@@ -24,9 +24,11 @@ class HfRunner:
     def __init__(self, model_config, output_len: int, batch_size: int):
         from transformers import AutoModelForCausalLM
         src = model_config.source
+        # With the engine's config (for a GGUF file, converted once and cached) transformers
+        # reads the file for the weights only, not a second time for its metadata (~5 s).
         kwargs = {"gguf_file": src.gguf_file} if src.gguf_file else {}
         self.model = AutoModelForCausalLM.from_pretrained(src.folder, dtype=model_config.dtype,
-                                                          **kwargs)
+                                                          config=model_config.hf_config, **kwargs)
         self.model.eval()
         pad = self.model.config.pad_token_id
         self.pad = pad if pad is not None else 0
