@@ -89,7 +89,7 @@ def _write_kv_cache_q8_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr
         x = x.to(tl.float32)
         if CACHE_FORMAT == 1:
             scale = tl.max(tl.abs(x), axis=0) / 127.0
-            q = tl.where(scale > 0, x / scale, 0.0)
+            q = x / tl.where(scale > 0, scale, 1.0)  # a row of zeros: codes 0, scale 0
             q = tl.minimum(tl.maximum((q + _ROUND) - _ROUND, -127.0), 127.0)
             codes = q.to(tl.int32).to(tl.uint32) & 0xFF
             # The scale's 4 bytes, little-endian, after the values.
