@@ -130,6 +130,8 @@ INVALID = [
     ("max_model_len", dict(max_model_len=513)),  # past the model's max_position_embeddings
     ("block_size", dict(block_size=12)),
     ("block_size", dict(block_size=16.0)),
+    ("kv_cache_dtype", dict(kv_cache_dtype="fp16")),
+    ("kv_cache_dtype", dict(kv_cache_dtype=8)),
     ("gpu_memory_utilization", dict(gpu_memory_utilization=0.0)),
     ("gpu_memory_utilization", dict(gpu_memory_utilization=1.5)),
     ("gpu_memory_utilization", dict(gpu_memory_utilization=float("nan"))),
@@ -208,7 +210,8 @@ def to_argv(args: EngineArgs) -> list[str]:
 
 def test_every_field_round_trips_through_its_flag():
     args = EngineArgs(model="/models/m", tokenizer="/models/t", dtype="bfloat16", seed=3,
-                      max_model_len=1024, block_size=32, gpu_memory_utilization=0.5,
+                      max_model_len=1024, block_size=32, kv_cache_dtype="int8",
+                      gpu_memory_utilization=0.5,
                       kv_cache_space_gib=1.5, swap_space=2.5, num_gpu_blocks_override=100,
                       enable_prefix_caching=False, enable_chunked_prefill=False, max_num_seqs=8,
                       max_num_batched_tokens=2048, preemption_mode="swap",
