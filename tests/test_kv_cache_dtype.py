@@ -125,6 +125,9 @@ DECODE_SHAPES = [
     (6, 2, 32, 64, [65, 1]),
 ]
 SHAPE_IDS = [f"h{h}-kv{kv}-d{d}-b{b}" for h, kv, d, b, _ in DECODE_SHAPES]
+# Enough sequences that one work item takes several KV heads (kernels/cpu/paged_attention.h).
+CPU_DECODE_SHAPES = DECODE_SHAPES + [(9, 3, 64, 16, [1, 5, 16, 17, 40, 3, 9, 64])]
+CPU_SHAPE_IDS = SHAPE_IDS + ["h9-kv3-d64-b16-8seqs"]
 
 
 def _write_case(cache_dtype, dtype, num_kv_heads, head_dim, g):
@@ -182,21 +185,30 @@ def _decode_case(shape, cache_dtype, dtype, seed):
     return seqs, key_cache, value_cache, query, head_dim ** -0.5
 
 
+@pytest.mark.parametrize("path", ["avx512", "portable"])
 @pytest.mark.parametrize("dtype", MODEL_DTYPES, ids=MODEL_IDS.get)
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=CACHE_IDS.get)
-@pytest.mark.parametrize("shape", DECODE_SHAPES, ids=SHAPE_IDS)
-def test_cpu_paged_decode_reads_8bit_caches_as_the_reference(shape, cache_dtype, dtype):
+@pytest.mark.parametrize("shape", CPU_DECODE_SHAPES, ids=CPU_SHAPE_IDS)
+def test_cpu_paged_decode_reads_8bit_caches_as_the_reference(shape, cache_dtype, dtype, path):
+    """On the AVX-512 path (head_dim 64 / 128, up to 8 query heads per KV head; the other
+    shapes fall to the portable loop) and on the portable loop."""
     if not cpu.supports(dtype, torch.device("cpu"), shape[0], shape[1], shape[2], shape[3]):
         pytest.skip(f"cpu decode attention unavailable: {cpu.unavailable_reason()}")
+    if path == "avx512" and not cpu.attention_simd_available():
+        pytest.skip("the cpu kernels were built without AVX-512 on this machine")
     seqs, key_cache, value_cache, query, scale = _decode_case(shape, cache_dtype, dtype,
                                                               sum(shape[4]) + shape[2])
     # The reference in fp32 on the same 8-bit values: the exact answer.
     expected = reference.paged_decode_attention(
         query.float(), key_cache, value_cache, seqs.block_tables, seqs.seq_lens,
         max(shape[4]), scale).to(dtype)
-    out = cpu.paged_decode_attention(query, _poisoned(key_cache, seqs.owned),
-                                     _poisoned(value_cache, seqs.owned), seqs.block_tables,
-                                     seqs.seq_lens, max(shape[4]), scale)
+    cpu.set_attention_simd(path == "avx512")
+    try:
+        out = cpu.paged_decode_attention(query, _poisoned(key_cache, seqs.owned),
+                                         _poisoned(value_cache, seqs.owned), seqs.block_tables,
+                                         seqs.seq_lens, max(shape[4]), scale)
+    finally:
+        cpu.set_attention_simd(True)
     assert out.dtype == dtype
     torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
 

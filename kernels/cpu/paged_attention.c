@@ -266,7 +266,7 @@ static inline __attribute__((always_inline)) void NAME(                         
 
 /* As paged_decode_f32 / _bf16 over an 8-bit cache of `cache_dtype` (KV_INT8, KV_FP8_E4M3,
  * KV_FP8_E5M2). -1 for shapes it does not run, -2 for an unknown cache dtype. */
-#define DEFINE_PAGED_DECODE_Q8(NAME, ITEM, T)                                                    \
+#define DEFINE_PAGED_DECODE_Q8(NAME, ITEM, SIMD, T)                                              \
 int NAME(const T *query, int64_t q_stride, const uint8_t *key_cache,                           \
          const uint8_t *value_cache, const int64_t *block_tables, int64_t bt_stride,           \
          const int64_t *seq_lens, T *out, int num_seqs, int num_heads, int num_kv_heads,       \
@@ -276,6 +276,9 @@ int NAME(const T *query, int64_t q_stride, const uint8_t *key_cache,            
         group * num_kv_heads != num_heads)                                                      \
         return -1;                                                                              \
     if (cache_dtype < KV_INT8 || cache_dtype > KV_FP8_E5M2) return -2;                          \
+    if (SIMD(query, q_stride, key_cache, value_cache, block_tables, bt_stride, seq_lens, out,    \
+             num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, cache_dtype) == 0)  \
+        return 0;                                                                               \
     const int per_item = kv_heads_per_item(num_seqs, num_kv_heads, group, MAX_HEADS,           \
                                            omp_get_max_threads());                             \
     const int chunks = num_kv_heads / per_item;                                                 \
@@ -293,5 +296,6 @@ int NAME(const T *query, int64_t q_stride, const uint8_t *key_cache,            
 
 DEFINE_DECODE_ITEM_Q8(decode_item_q8_f32, float, load_f32, store_f32)
 DEFINE_DECODE_ITEM_Q8(decode_item_q8_bf16, uint16_t, load_bf16, store_bf16)
-DEFINE_PAGED_DECODE_Q8(paged_decode_q8_f32, decode_item_q8_f32, float)
-DEFINE_PAGED_DECODE_Q8(paged_decode_q8_bf16, decode_item_q8_bf16, uint16_t)
+DEFINE_PAGED_DECODE_Q8(paged_decode_q8_f32, decode_item_q8_f32, paged_decode_q8_simd_f32, float)
+DEFINE_PAGED_DECODE_Q8(paged_decode_q8_bf16, decode_item_q8_bf16, paged_decode_q8_simd_bf16,
+                       uint16_t)

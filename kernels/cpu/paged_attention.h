@@ -15,6 +15,17 @@ int paged_decode_simd_bf16(const uint16_t *query, int64_t q_stride, const uint16
                            int64_t bt_stride, const int64_t *seq_lens, uint16_t *out,
                            int num_seqs, int num_heads, int num_kv_heads, int head_dim,
                            int block_size, float scale);
+/* The same over an 8-bit cache (kv_quant.h's cache_dtype), rows as bytes. */
+int paged_decode_q8_simd_f32(const float *query, int64_t q_stride, const uint8_t *key_cache,
+                             const uint8_t *value_cache, const int64_t *block_tables,
+                             int64_t bt_stride, const int64_t *seq_lens, float *out,
+                             int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                             int block_size, float scale, int cache_dtype);
+int paged_decode_q8_simd_bf16(const uint16_t *query, int64_t q_stride, const uint8_t *key_cache,
+                              const uint8_t *value_cache, const int64_t *block_tables,
+                              int64_t bt_stride, const int64_t *seq_lens, uint16_t *out,
+                              int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                              int block_size, float scale, int cache_dtype);
 
 /* How many KV heads a work item takes: as many as fit `max_heads` query heads (a divisor of
  * num_kv_heads), so a block is read once for all of them; but one when there are too few

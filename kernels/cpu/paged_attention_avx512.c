@@ -19,6 +19,7 @@
 #include <omp.h>
 
 #include "common.h"
+#include "kv_quant.h"
 #include "paged_attention.h"
 
 static int pagoda_attention_simd = 1;
@@ -236,6 +237,188 @@ int NAME(const T *query, int64_t q_stride, const T *key_cache, const T *value_ca
 DEFINE_SIMD_DECODE(paged_decode_simd_f32, float, f32)
 DEFINE_SIMD_DECODE(paged_decode_simd_bf16, uint16_t, bf16)
 
+/* -- 8-bit caches (kv_quant.h): the same items, each cached row converted as it is loaded. A
+ * row of 16 fp8 values widens to fp16 and converts exactly with vcvtph2ps: e5m2 is the top byte
+ * of an fp16; e4m3's exponent and mantissa shifted into fp16's fields read as 2^-8 of the value
+ * (bias 15 for 7), subnormals included. int8 rows are scaled by the scale after them. -- */
+static inline __attribute__((always_inline)) __m512 widen16_q8(const uint8_t *src, int fmt) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)src);
+    if (fmt == KV_INT8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+    const __m256i w = _mm256_cvtepu8_epi16(b);
+    if (fmt == KV_FP8_E5M2) return _mm512_cvtph_ps(_mm256_slli_epi16(w, 8));
+    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8);
+    const __m256i h = _mm256_or_si256(
+        sign, _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7));
+    return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+}
+
+static inline __attribute__((always_inline)) void row_q8(__m512 *dst, const uint8_t *src, int nd,
+                                                         int fmt) {
+    for (int j = 0; j < nd; j++) dst[j] = widen16_q8(src + j * TILE, fmt);
+    if (fmt == KV_INT8) {
+        float scale;
+        memcpy(&scale, src + nd * TILE, sizeof scale);
+        const __m512 sv = _mm512_set1_ps(scale);
+        for (int j = 0; j < nd; j++) dst[j] = _mm512_mul_ps(dst[j], sv);
+    }
+}
+
+/* DEFINE_SIMD_ITEM with the query and output in T and the cache as bytes of format `fmt`: rows
+ * of row_bytes (ND * 16, + 4 for int8's scale), strides in bytes. */
+#define DEFINE_SIMD_ITEM_Q8(NAME, T, ROW, STORE16, G, ND)                                          \
+static void NAME(const T *query, const uint8_t *key_cache, const uint8_t *value_cache,             \
+                 const int64_t *table, int64_t len, T *out, int kv_heads, int block_size,          \
+                 int64_t token_stride, int64_t block_stride, float scale, int fmt) {               \
+    __m512 q_all[ITEM_HEADS / G][G][ND], acc_all[ITEM_HEADS / G][G][ND];                           \
+    float max_all[ITEM_HEADS / G][G], sum_all[ITEM_HEADS / G][G];                                  \
+    float probs[G][TILE] __attribute__((aligned(64)));                                             \
+    const int row_bytes = kvq_row_bytes(ND * TILE, fmt);                                           \
+    for (int kh = 0; kh < kv_heads; kh++)                                                          \
+        for (int g = 0; g < G; g++) {                                                              \
+            ROW(q_all[kh][g], query + (kh * G + g) * ND * TILE, ND);                               \
+            for (int j = 0; j < ND; j++) acc_all[kh][g][j] = _mm512_setzero_ps();                  \
+            max_all[kh][g] = -INFINITY;                                                            \
+            sum_all[kh][g] = 0.0f;                                                                 \
+        }                                                                                          \
+    const int row_lines = (kv_heads * row_bytes + 63) / 64;                                        \
+    for (int64_t start = 0; start < len; start += block_size) {                                    \
+        const int in_block = (int)(len - start < block_size ? len - start : block_size);           \
+        const int64_t base = table[start / block_size] * block_stride;                             \
+        if (start + block_size < len) {                                                            \
+            const int64_t next = table[start / block_size + 1] * block_stride;                     \
+            for (int t = 0; t < block_size; t++)                                                   \
+                for (int c = 0; c < row_lines; c++) {                                              \
+                    __builtin_prefetch(key_cache + next + t * token_stride + 64 * c);              \
+                    __builtin_prefetch(value_cache + next + t * token_stride + 64 * c);            \
+                }                                                                                  \
+        }                                                                                          \
+        for (int kh = 0; kh < kv_heads; kh++) {                                                    \
+            __m512 q[G][ND], acc[G][ND];                                                           \
+            float run_max[G], run_sum[G];                                                          \
+            for (int g = 0; g < G; g++) {                                                          \
+                for (int j = 0; j < ND; j++) {                                                     \
+                    q[g][j] = q_all[kh][g][j];                                                     \
+                    acc[g][j] = acc_all[kh][g][j];                                                 \
+                }                                                                                  \
+                run_max[g] = max_all[kh][g];                                                       \
+                run_sum[g] = sum_all[kh][g];                                                       \
+            }                                                                                      \
+            for (int t0 = 0; t0 < in_block; t0 += TILE) {                                          \
+                const int n = in_block - t0 < TILE ? in_block - t0 : TILE;                         \
+                const uint8_t *k_rows = key_cache + base + t0 * token_stride + kh * row_bytes;     \
+                const uint8_t *v_rows = value_cache + base + t0 * token_stride + kh * row_bytes;   \
+                __m512 partial[G][TILE];                                                           \
+                for (int t = 0; t < TILE; t++) {                                                   \
+                    if (t < n) {                                                                   \
+                        __m512 k[ND];                                                              \
+                        row_q8(k, k_rows + t * token_stride, ND, fmt);                             \
+                        for (int g = 0; g < G; g++) partial[g][t] = dot16(q[g], k, ND);            \
+                    } else {                                                                       \
+                        for (int g = 0; g < G; g++) partial[g][t] = _mm512_setzero_ps();           \
+                    }                                                                              \
+                }                                                                                  \
+                const __mmask16 valid = (__mmask16)((1u << n) - 1u);                               \
+                for (int g = 0; g < G; g++) {                                                      \
+                    const __m512 s = _mm512_mask_blend_ps(                                         \
+                        valid, _mm512_set1_ps(-INFINITY),                                          \
+                        _mm512_mul_ps(sum_lanes16(partial[g]), _mm512_set1_ps(scale)));            \
+                    const float tile_max = _mm512_reduce_max_ps(s);                                \
+                    const float new_max = tile_max > run_max[g] ? tile_max : run_max[g];           \
+                    const float correction = exp_approx(run_max[g] - new_max);                     \
+                    const __m512 p = exp16(_mm512_sub_ps(s, _mm512_set1_ps(new_max)));             \
+                    run_max[g] = new_max;                                                          \
+                    run_sum[g] = run_sum[g] * correction + _mm512_reduce_add_ps(p);                \
+                    _mm512_store_ps(probs[g], p);                                                  \
+                    const __m512 corr = _mm512_set1_ps(correction);                                \
+                    for (int j = 0; j < ND; j++) acc[g][j] = _mm512_mul_ps(acc[g][j], corr);       \
+                }                                                                                  \
+                for (int t = 0; t < n; t++) {                                                      \
+                    __m512 v[ND];                                                                  \
+                    row_q8(v, v_rows + t * token_stride, ND, fmt);                                 \
+                    for (int g = 0; g < G; g++) {                                                  \
+                        const __m512 p = _mm512_set1_ps(probs[g][t]);                              \
+                        for (int j = 0; j < ND; j++)                                               \
+                            acc[g][j] = _mm512_fmadd_ps(p, v[j], acc[g][j]);                       \
+                    }                                                                              \
+                }                                                                                  \
+            }                                                                                      \
+            for (int g = 0; g < G; g++) {                                                          \
+                for (int j = 0; j < ND; j++) acc_all[kh][g][j] = acc[g][j];                        \
+                max_all[kh][g] = run_max[g];                                                       \
+                sum_all[kh][g] = run_sum[g];                                                       \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+    for (int kh = 0; kh < kv_heads; kh++)                                                          \
+        for (int g = 0; g < G; g++) {                                                              \
+            const float total = sum_all[kh][g];                                                    \
+            const __m512 inv = _mm512_set1_ps(total > 0.0f ? 1.0f / total : 0.0f);                 \
+            for (int j = 0; j < ND; j++)                                                           \
+                STORE16(out + ((kh * G + g) * ND + j) * TILE,                                      \
+                        _mm512_mul_ps(acc_all[kh][g][j], inv));                                    \
+        }                                                                                          \
+}
+
+#define DEFINE_SIMD_ITEMS_Q8(T, SFX, ROW, STORE16)                                                 \
+    DEFINE_SIMD_ITEM_Q8(q8_##SFX##_g1_d4, T, ROW, STORE16, 1, 4)                                   \
+    DEFINE_SIMD_ITEM_Q8(q8_##SFX##_g2_d4, T, ROW, STORE16, 2, 4)                                   \
+    DEFINE_SIMD_ITEM_Q8(q8_##SFX##_g3_d4, T, ROW, STORE16, 3, 4)                                   \
+    DEFINE_SIMD_ITEM_Q8(q8_##SFX##_g4_d4, T, ROW, STORE16, 4, 4)                                   \
+    DEFINE_SIMD_ITEM_Q8(q8_##SFX##_g5_d4, T, ROW, STORE16, 5, 4)                                   \
+    DEFINE_SIMD_ITEM_Q8(q8_##SFX##_g6_d4, T, ROW, STORE16, 6, 4)                                   \
+    DEFINE_SIMD_ITEM_Q8(q8_##SFX##_g7_d4, T, ROW, STORE16, 7, 4)                                   \
+    DEFINE_SIMD_ITEM_Q8(q8_##SFX##_g8_d4, T, ROW, STORE16, 8, 4)                                   \
+    DEFINE_SIMD_ITEM_Q8(q8_##SFX##_g1_d8, T, ROW, STORE16, 1, 8)                                   \
+    DEFINE_SIMD_ITEM_Q8(q8_##SFX##_g2_d8, T, ROW, STORE16, 2, 8)                                   \
+    DEFINE_SIMD_ITEM_Q8(q8_##SFX##_g3_d8, T, ROW, STORE16, 3, 8)                                   \
+    DEFINE_SIMD_ITEM_Q8(q8_##SFX##_g4_d8, T, ROW, STORE16, 4, 8)                                   \
+    DEFINE_SIMD_ITEM_Q8(q8_##SFX##_g5_d8, T, ROW, STORE16, 5, 8)                                   \
+    DEFINE_SIMD_ITEM_Q8(q8_##SFX##_g6_d8, T, ROW, STORE16, 6, 8)                                   \
+    DEFINE_SIMD_ITEM_Q8(q8_##SFX##_g7_d8, T, ROW, STORE16, 7, 8)                                   \
+    DEFINE_SIMD_ITEM_Q8(q8_##SFX##_g8_d8, T, ROW, STORE16, 8, 8)                                   \
+    typedef void (*q8_##SFX##_fn)(const T *, const uint8_t *, const uint8_t *, const int64_t *,   \
+                                  int64_t, T *, int, int, int64_t, int64_t, float, int);           \
+    static const q8_##SFX##_fn q8_items_##SFX[2][8] = {                                            \
+        {q8_##SFX##_g1_d4, q8_##SFX##_g2_d4, q8_##SFX##_g3_d4, q8_##SFX##_g4_d4,                   \
+         q8_##SFX##_g5_d4, q8_##SFX##_g6_d4, q8_##SFX##_g7_d4, q8_##SFX##_g8_d4},                  \
+        {q8_##SFX##_g1_d8, q8_##SFX##_g2_d8, q8_##SFX##_g3_d8, q8_##SFX##_g4_d8,                   \
+         q8_##SFX##_g5_d8, q8_##SFX##_g6_d8, q8_##SFX##_g7_d8, q8_##SFX##_g8_d8}};
+
+DEFINE_SIMD_ITEMS_Q8(float, f32, row_f32, store16_f32)
+DEFINE_SIMD_ITEMS_Q8(uint16_t, bf16, row_bf16, store16_bf16)
+
+#define DEFINE_SIMD_DECODE_Q8(NAME, T, SFX)                                                        \
+int NAME(const T *query, int64_t q_stride, const uint8_t *key_cache, const uint8_t *value_cache,   \
+         const int64_t *block_tables, int64_t bt_stride, const int64_t *seq_lens, T *out,          \
+         int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,              \
+         float scale, int cache_dtype) {                                                           \
+    const int group = num_heads / num_kv_heads;                                                    \
+    if (!pagoda_attention_simd || (head_dim != 64 && head_dim != 128) || group < 1 ||              \
+        group > 8 || cache_dtype < KV_INT8 || cache_dtype > KV_FP8_E5M2)                           \
+        return -1;                                                                                 \
+    const q8_##SFX##_fn item = q8_items_##SFX[head_dim == 128][group - 1];                         \
+    const int64_t row_bytes = kvq_row_bytes(head_dim, cache_dtype);                                \
+    const int64_t token_stride = (int64_t)num_kv_heads * row_bytes;                                \
+    const int64_t block_stride = (int64_t)block_size * token_stride;                               \
+    const int per_item = kv_heads_per_item(num_seqs, num_kv_heads, group, ITEM_HEADS,              \
+                                           omp_get_max_threads());                                 \
+    const int chunks = num_kv_heads / per_item;                                                    \
+    const int num_items = num_seqs * chunks;                                                       \
+    _Pragma("omp parallel for schedule(static)")                                                   \
+    for (int i = 0; i < num_items; i++) {                                                          \
+        const int s = i / chunks, kh = (i % chunks) * per_item;                                    \
+        item(query + s * q_stride + (int64_t)kh * group * head_dim,                                \
+             key_cache + kh * row_bytes, value_cache + kh * row_bytes,                             \
+             block_tables + s * bt_stride, seq_lens[s],                                            \
+             out + ((int64_t)s * num_heads + (int64_t)kh * group) * head_dim, per_item,            \
+             block_size, token_stride, block_stride, scale, cache_dtype);                          \
+    }                                                                                              \
+    return 0;                                                                                      \
+}
+
+DEFINE_SIMD_DECODE_Q8(paged_decode_q8_simd_f32, float, f32)
+DEFINE_SIMD_DECODE_Q8(paged_decode_q8_simd_bf16, uint16_t, bf16)
+
 #else /* no AVX-512: the portable loop does everything */
 
 int paged_decode_simd_f32(const float *query, int64_t q_stride, const float *key_cache,
@@ -251,6 +434,22 @@ int paged_decode_simd_bf16(const uint16_t *query, int64_t q_stride, const uint16
                            int64_t bt_stride, const int64_t *seq_lens, uint16_t *out,
                            int num_seqs, int num_heads, int num_kv_heads, int head_dim,
                            int block_size, float scale) {
+    return -1;
+}
+
+int paged_decode_q8_simd_f32(const float *query, int64_t q_stride, const uint8_t *key_cache,
+                             const uint8_t *value_cache, const int64_t *block_tables,
+                             int64_t bt_stride, const int64_t *seq_lens, float *out,
+                             int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                             int block_size, float scale, int cache_dtype) {
+    return -1;
+}
+
+int paged_decode_q8_simd_bf16(const uint16_t *query, int64_t q_stride, const uint8_t *key_cache,
+                              const uint8_t *value_cache, const int64_t *block_tables,
+                              int64_t bt_stride, const int64_t *seq_lens, uint16_t *out,
+                              int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                              int block_size, float scale, int cache_dtype) {
     return -1;
 }
 

@@ -308,8 +308,9 @@ def check_kv_cache(query: torch.Tensor, key_cache: torch.Tensor,
         raise ValueError(f"query dtype {query.dtype} is unsupported (float32, float16, bfloat16)")
     if value_cache.dtype != key_cache.dtype or (key_cache.dtype != query.dtype
                                                 and key_cache.dtype not in CACHE_FORMATS):
-        raise ValueError(f"key_cache and value_cache must share the query's dtype or one 8-bit "
-                         f"dtype, got {query.dtype}, {key_cache.dtype}, {value_cache.dtype}")
+        raise ValueError(f"query, key_cache and value_cache must share a dtype (or the caches "
+                         f"one 8-bit dtype), got {query.dtype}, {key_cache.dtype}, "
+                         f"{value_cache.dtype}")
     if cache_head_dim != head_dim:
         raise ValueError(f"query head_dim {head_dim} != cache head_dim {cache_head_dim}")
     if not is_power_of_two(head_dim) or head_dim < 16:
