@@ -1,5 +1,6 @@
-"""LocalStack and `pagoda serve`: real processes on real ipc sockets, driven by docker-compose.yml."""
-import asyncio
+"""LocalStack and `pagoda serve`: real processes on real ipc sockets, driven by docker-compose.yml:
+launches that fail, and `pagoda serve` itself. A running LocalStack's processes, sockets,
+arguments, logs, liveness loop and stop are tested on tests/test_stack.py's stack (one start)."""
 import json
 import os
 import queue
@@ -15,14 +16,9 @@ import pytest
 
 from ops.compose import default_compose_file
 from ops.launcher import LaunchError, LocalStack
-from services.gateway.client import AsyncEngineClient
-from shared.sampling_params import SamplingParams
-from shared.sockets import probe_health
 from shared.stack_config import StackConfig
 
 ROOT = os.path.dirname(default_compose_file())
-# A small KV cache keeps each stack's memory low on a shared machine.
-ENGINE_ARGS = {"kv_cache_space_gib": 0.25, "max_num_seqs": 8}
 
 
 def alive(pid: int) -> bool:
@@ -46,134 +42,12 @@ def children_of(pid: int) -> list[int]:
     return out
 
 
-def environ_of(pid: int) -> dict[str, str]:
-    with open(f"/proc/{pid}/environ", "rb") as f:
-        items = f.read().decode(errors="replace").split("\0")
-    return dict(item.split("=", 1) for item in items if "=" in item)
-
-
-def cmdline_of(pid: int) -> list[str]:
-    with open(f"/proc/{pid}/cmdline", "rb") as f:
-        return f.read().decode().split("\0")[:-1]
-
-
 def sockets_under(path: str) -> list[str]:
     import stat
     found = []
     for folder, _, files in os.walk(path):
         found += [f for f in files if stat.S_ISSOCK(os.lstat(os.path.join(folder, f)).st_mode)]
     return found
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    run_dir = str(tmp_path_factory.mktemp("stack") / "run")
-    launched = LocalStack(engine_args=ENGINE_ARGS, tokenizers=2, run_dir=run_dir, gateway=False)
-    launched.start(timeout_s=300)
-    yield launched
-    launched.stop()
-
-
-# -- a running stack ---------------------------------------------------------------------------
-def test_stack_starts_one_process_per_instance(stack):
-    counts = {name: len(procs) for name, procs in stack.processes.items()}
-    assert counts == {"tokenizer": 2, "engine": 1, "worker": 1, "detokenizer": 1}
-
-
-def test_every_process_answers_its_probe_with_ok(stack):
-    for member in stack.members:
-        health = probe_health(member.control_addr, timeout_s=2)
-        assert health is not None and health.status == "ok", member.name
-
-
-def test_engine_sees_every_tokenizer_detokenizer_and_worker(stack):
-    details = probe_health(stack.stack_config.engine_control, timeout_s=2).details
-    assert (details["tokenizers"], details["detokenizers"], details["workers"]) == (2, 1, 1)
-
-
-def test_a_request_completes_through_the_stack(stack):
-    async def generate() -> tuple[str, bool]:
-        client = AsyncEngineClient(stack.stack_config)
-        text, finished = "", False
-        try:
-            async for out in client.generate("The capital of France is",
-                                             SamplingParams(max_tokens=4, temperature=0)):
-                text += out.outputs[0].text
-                finished = out.finished
-        finally:
-            client.close()
-        return text, finished
-
-    text, finished = asyncio.run(asyncio.wait_for(generate(), 120))
-    assert finished and text.strip()
-
-
-def test_processes_use_ipc_sockets_in_the_run_directory(stack):
-    engine = stack.processes["engine"][0]
-    env = environ_of(engine.pid)
-    assert env["PAGODA_RUN_DIR"] == stack.run_dir
-    for key in ("PAGODA_REQUEST_INPUT", "PAGODA_TOKENIZER_INPUT", "PAGODA_ENGINE_INPUT",
-                "PAGODA_WORKER_ADDR", "PAGODA_DETOKENIZER_ADDR", "PAGODA_ENGINE_CONTROL"):
-        assert env[key].startswith(f"ipc://{stack.run_dir}/"), key
-    assert "PAGODA_CONTROL_ADDR" not in env  # each process has its own control socket
-
-
-def test_engine_args_reach_each_service_that_accepts_them(stack):
-    tokenizer = cmdline_of(stack.processes["tokenizer"][1].pid)
-    assert tokenizer[1:4] == ["-m", "pagoda", "tokenizer"]
-    assert tokenizer[tokenizer.index("--max-num-seqs") + 1] == "8"
-    assert tokenizer[tokenizer.index("--instance") + 1] == "1"
-    detokenizer = cmdline_of(stack.processes["detokenizer"][0].pid)
-    # Every service takes the one engine command line (the detokenizer uses only the model's).
-    assert detokenizer[detokenizer.index("--max-num-seqs") + 1] == "8"
-
-
-def test_each_process_logs_to_its_own_file(stack):
-    logs = sorted(os.listdir(stack.log_dir))
-    assert logs == ["detokenizer-0.log", "engine-0.log", "tokenizer-0.log", "tokenizer-1.log",
-                    "worker-0.log"]
-    with open(os.path.join(stack.log_dir, "engine-0.log")) as f:
-        assert "engine ready" in f.read()
-
-
-def test_liveness_loop_restarts_a_process_that_exited(stack):
-    old = stack.kill("detokenizer", 0, signal.SIGKILL)
-    [detokenizer] = [m for m in stack.members if m.name == "detokenizer-0"]
-    stop = threading.Event()
-
-    def stop_when_back():
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not stop.is_set():
-            if stack.processes["detokenizer"][0] is not old and detokenizer.healthy:
-                break
-            time.sleep(0.5)
-        stop.set()
-
-    watcher = threading.Thread(target=stop_when_back)
-    watcher.start()
-    stack.supervise(stop, check_every_s=0.5)  # in this thread: it spawns the new process
-    watcher.join()
-    new = stack.processes["detokenizer"][0]
-    assert new.pid != old.pid and new.poll() is None
-    health = probe_health(stack.stack_config.control_for("detokenizer", 0), timeout_s=2)
-    assert health is not None and health.status == "ok"
-
-
-def test_a_second_stack_in_the_same_run_directory_is_refused(stack):
-    second = LocalStack(run_dir=stack.run_dir, gateway=False)
-    with pytest.raises(LaunchError, match="already runs"):
-        second.start(timeout_s=30)
-    assert second.processes == {}
-    assert probe_health(stack.stack_config.engine_control, timeout_s=2).status == "ok"
-    assert os.path.exists(stack.stack_config.request_input[len("ipc://"):])
-
-
-def test_stop_leaves_no_process_and_no_socket(stack):
-    pids = [p.pid for procs in stack.processes.values() for p in procs]
-    grandchildren = [c for pid in pids for c in children_of(pid)]
-    stack.stop()
-    assert not [pid for pid in pids + grandchildren if alive(pid)]
-    assert not os.path.exists(stack.run_dir)
 
 
 # -- failed launches -----------------------------------------------------------------------------

@@ -1,17 +1,23 @@
-"""The ZMQ stack as `pagoda serve` runs it (real processes, real sockets), against the
-in-process engine: same outputs, tokenizers scale, stops and aborts, bad frames survived."""
+"""The ZMQ stack as `pagoda serve` runs it (real processes, real sockets), one for the module:
+the launcher's processes, sockets, arguments and logs; against the in-process engine: same
+outputs, tokenizers scale, stops and aborts, bad frames survived; then the launcher's liveness
+loop, a second stack refused, and stop (last: it ends the stack)."""
 import asyncio
+import os
+import signal
+import threading
 import time
 
 import pytest
 import zmq
 
-from ops.launcher import LocalStack
+from ops.launcher import LaunchError, LocalStack
 from pagoda import AsyncEngineClient, SamplingParams
 from proto.codec import decode, encode
 from proto.control import Register
 from proto.requests import AbortRequest, ErrorResponse, GenerateRequest, HealthRequest
 from shared.sockets import probe_health
+from tests.test_launcher import alive, children_of
 
 ENGINE_ARGS = {"kv_cache_space_gib": 0.25, "max_num_seqs": 16}
 
@@ -36,9 +42,12 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def stack():
-    with LocalStack(engine_args=ENGINE_ARGS, gateway=False, tokenizers=2) as s:
-        yield s
+def stack(tmp_path_factory):
+    run_dir = str(tmp_path_factory.mktemp("stack") / "run")
+    launched = LocalStack(engine_args=ENGINE_ARGS, tokenizers=2, run_dir=run_dir, gateway=False)
+    launched.start(timeout_s=300)
+    yield launched
+    launched.stop()
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +56,18 @@ def offline(llm):
     greedy tokens do not depend on its larger max_num_seqs, and it is loaded once for every
     module that needs one."""
     return llm
+
+
+def environ_of(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        items = f.read().decode(errors="replace").split("\0")
+    return dict(item.split("=", 1) for item in items if "=" in item)
+
+
+def cmdline_of(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().decode().split("\0")[:-1]
+
 
 
 async def _collect(client, prompt, params, request_id=None):
@@ -81,6 +102,70 @@ def _wait_idle(stack, timeout_s=30.0) -> dict:
         time.sleep(0.2)
 
 
+# -- a running stack ---------------------------------------------------------------------------
+def test_stack_starts_one_process_per_instance(stack):
+    counts = {name: len(procs) for name, procs in stack.processes.items()}
+    assert counts == {"tokenizer": 2, "engine": 1, "worker": 1, "detokenizer": 1}
+
+
+def test_every_process_answers_its_probe_with_ok(stack):
+    for member in stack.members:
+        health = probe_health(member.control_addr, timeout_s=2)
+        assert health is not None and health.status == "ok", member.name
+
+
+def test_engine_sees_every_tokenizer_detokenizer_and_worker(stack):
+    details = probe_health(stack.stack_config.engine_control, timeout_s=2).details
+    assert (details["tokenizers"], details["detokenizers"], details["workers"]) == (2, 1, 1)
+
+
+def test_a_request_completes_through_the_stack(stack):
+    async def generate() -> tuple[str, bool]:
+        client = AsyncEngineClient(stack.stack_config)
+        text, finished = "", False
+        try:
+            async for out in client.generate("The capital of France is",
+                                             SamplingParams(max_tokens=4, temperature=0)):
+                text += out.outputs[0].text
+                finished = out.finished
+        finally:
+            client.close()
+        return text, finished
+
+    text, finished = asyncio.run(asyncio.wait_for(generate(), 120))
+    assert finished and text.strip()
+
+
+def test_processes_use_ipc_sockets_in_the_run_directory(stack):
+    engine = stack.processes["engine"][0]
+    env = environ_of(engine.pid)
+    assert env["PAGODA_RUN_DIR"] == stack.run_dir
+    for key in ("PAGODA_REQUEST_INPUT", "PAGODA_TOKENIZER_INPUT", "PAGODA_ENGINE_INPUT",
+                "PAGODA_WORKER_ADDR", "PAGODA_DETOKENIZER_ADDR", "PAGODA_ENGINE_CONTROL"):
+        assert env[key].startswith(f"ipc://{stack.run_dir}/"), key
+    assert "PAGODA_CONTROL_ADDR" not in env  # each process has its own control socket
+
+
+def test_engine_args_reach_each_service_that_accepts_them(stack):
+    tokenizer = cmdline_of(stack.processes["tokenizer"][1].pid)
+    assert tokenizer[1:4] == ["-m", "pagoda", "tokenizer"]
+    assert tokenizer[tokenizer.index("--max-num-seqs") + 1] == str(ENGINE_ARGS["max_num_seqs"])
+    assert tokenizer[tokenizer.index("--instance") + 1] == "1"
+    detokenizer = cmdline_of(stack.processes["detokenizer"][0].pid)
+    # Every service takes the one engine command line (the detokenizer uses only the model's).
+    assert detokenizer[detokenizer.index("--max-num-seqs") + 1] == str(ENGINE_ARGS["max_num_seqs"])
+
+
+def test_each_process_logs_to_its_own_file(stack):
+    logs = sorted(os.listdir(stack.log_dir))
+    assert logs == ["detokenizer-0.log", "engine-0.log", "tokenizer-0.log", "tokenizer-1.log",
+                    "worker-0.log"]
+    with open(os.path.join(stack.log_dir, "engine-0.log")) as f:
+        assert "engine ready" in f.read()
+
+
+
+# -- against the in-process engine ------------------------------------------------------------
 def test_16_concurrent_greedy_requests_match_the_in_process_engine(stack, offline):
     params = SamplingParams(temperature=0, max_tokens=24)
     expected = offline.generate(PROMPTS, params, use_tqdm=False)
@@ -229,3 +314,44 @@ def test_bytes_per_decode_step_do_not_grow_with_sequence_length(offline):
         sizes[length] = decode_sizes[1:]
     assert len(set(sizes[100])) == 1 and sizes[100] == sizes[1000][:len(sizes[100])], sizes
     print(f"\nbytes per decode step: {sizes[100][0]} at length 100, {sizes[1000][0]} at length 1000")
+
+
+# -- the launcher's liveness loop and stop (last: stop ends the module's stack) ------------
+def test_liveness_loop_restarts_a_process_that_exited(stack):
+    old = stack.kill("detokenizer", 0, signal.SIGKILL)
+    [detokenizer] = [m for m in stack.members if m.name == "detokenizer-0"]
+    stop = threading.Event()
+
+    def stop_when_back():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not stop.is_set():
+            if stack.processes["detokenizer"][0] is not old and detokenizer.healthy:
+                break
+            time.sleep(0.5)
+        stop.set()
+
+    watcher = threading.Thread(target=stop_when_back)
+    watcher.start()
+    stack.supervise(stop, check_every_s=0.5)  # in this thread: it spawns the new process
+    watcher.join()
+    new = stack.processes["detokenizer"][0]
+    assert new.pid != old.pid and new.poll() is None
+    health = probe_health(stack.stack_config.control_for("detokenizer", 0), timeout_s=2)
+    assert health is not None and health.status == "ok"
+
+
+def test_a_second_stack_in_the_same_run_directory_is_refused(stack):
+    second = LocalStack(run_dir=stack.run_dir, gateway=False)
+    with pytest.raises(LaunchError, match="already runs"):
+        second.start(timeout_s=30)
+    assert second.processes == {}
+    assert probe_health(stack.stack_config.engine_control, timeout_s=2).status == "ok"
+    assert os.path.exists(stack.stack_config.request_input[len("ipc://"):])
+
+
+def test_stop_leaves_no_process_and_no_socket(stack):
+    pids = [p.pid for procs in stack.processes.values() for p in procs]
+    grandchildren = [c for pid in pids for c in children_of(pid)]
+    stack.stop()
+    assert not [pid for pid in pids + grandchildren if alive(pid)]
+    assert not os.path.exists(stack.run_dir)
