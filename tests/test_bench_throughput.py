@@ -16,7 +16,17 @@ from ops.bench import peers, throughput, workloads, yardstick
 
 
 def test_bench_throughput_runs_both_systems_repeatedly_and_reports_the_ratio(
-        tmp_path, capsys, monkeypatch):
+        tmp_path, capsys, monkeypatch, reference):
+    from transformers import AutoModelForCausalLM
+
+    from shared.config import load_hf_config
+    from shared.model_source import resolve_model
+    # The baseline's transformers model: the session's fp32 reference, which is the same file
+    # loaded the same way, rather than a second load (~15 s); what the baseline asked for is
+    # checked below.
+    loads = []
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda folder, **kwargs: (
+        loads.append((folder, kwargs)) or reference.model))
     sent = []  # every prompt pagoda was given
     real_run = throughput.PagodaRunner.run
     monkeypatch.setattr(throughput.PagodaRunner, "run",
@@ -32,6 +42,10 @@ def test_bench_throughput_runs_both_systems_repeatedly_and_reports_the_ratio(
                               "--workloads", "fixed", "mixed", "--input-len-range", "2", "12",
                               "--output-json", str(out)])
     assert throughput.run(args) == 0
+    source = resolve_model(None)
+    assert [(folder, kw["gguf_file"], kw["dtype"], kw["config"].to_dict()) for folder, kw in loads
+            ] == [(source.folder, source.gguf_file, torch.float32,
+                   load_hf_config(source).to_dict())]  # the engine's config
     result = json.loads(out.read_text())
     assert result["repeats"] == 2 and list(result["workloads"]) == ["fixed", "mixed"]
     # Per round: fixed, then mixed, on each system; pagoda leads round 1, hf round 2.
