@@ -153,7 +153,7 @@ def _assert_same_rows(got: torch.Tensor, expected: torch.Tensor) -> None:
         return
     assert torch.equal(_bytes(got)[..., -4:], _bytes(expected)[..., -4:])
     diff = (got[..., :-4].int() - expected[..., :-4].int()).abs()
-    assert diff.max().item() <= 1 and (diff > 0).float().mean().item() < 1e-3
+    assert diff.max().item() <= 1 and (diff > 0).float().mean().item() < 0.02
 
 
 @pytest.mark.parametrize("dtype", MODEL_DTYPES, ids=MODEL_IDS.get)
