@@ -30,14 +30,23 @@ def run(engine, request_id: str, prompt: str, params: SamplingParams,
     return final
 
 
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(llm) -> list:
+    """Each prompt's greedy output, run alone and uninterrupted: once for every resume point."""
+    return [run(llm.llm_engine, f"plain-{i}", prompt, GREEDY).outputs[0]
+            for i, prompt in enumerate(PROMPTS)]
+
+
 @pytest.mark.parametrize("num_streamed", [1, 7, MAX_TOKENS - 1])
-def test_a_resumed_greedy_request_ends_with_the_output_of_an_uninterrupted_one(llm, num_streamed):
+def test_a_resumed_greedy_request_ends_with_the_output_of_an_uninterrupted_one(llm, uninterrupted,
+                                                                              num_streamed):
     engine = llm.llm_engine
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    for i, prompt in enumerate(PROMPTS):
-        whole = run(engine, f"plain-{num_streamed}-{i}", prompt, params).outputs[0]
+    for i, (prompt, whole) in enumerate(zip(PROMPTS, uninterrupted)):
         streamed = whole.token_ids[:num_streamed]
-        resumed = run(engine, f"resumed-{num_streamed}-{i}", prompt, params,
+        resumed = run(engine, f"resumed-{num_streamed}-{i}", prompt, GREEDY,
                       [ResumedOutput(0, streamed)])
         out = resumed.outputs[0]
         assert out.token_ids == whole.token_ids, (prompt, num_streamed)
