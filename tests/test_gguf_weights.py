@@ -129,29 +129,69 @@ def test_gguf_dequantize_is_ggufs_own(qtype):
 def test_gguf_kernels_refuse_arrays_that_do_not_fit_before_reading_them():
     """The C code trusts its shapes: each mismatch is a ValueError naming what does not fit,
     and nothing is written."""
-    weight, _ = _weight(Q4_1, 8, 64, seed=4)
+    weight, _ = _weight(Q4_1, 20, 64, seed=4)  # two panels, the second padded
     p = weight.parts[0]
-    x, out = torch.randn(2, 64), torch.full((2, 8), float("nan"))
+    x, out = torch.randn(2, 64), torch.full((2, 20), float("nan"))
     bad = {
-        "x of another K": (torch.randn(2, 96), Q4_1, p.qs, p.d, p.m),
-        "qs of another type": (x, Q4_1, p.qs.view(torch.int8), p.d, p.m),
-        "qs of fewer rows": (x, Q4_1, p.qs[:4], p.d, p.m),
-        "qs not contiguous": (x, Q4_1, torch.zeros(8, 64, dtype=torch.uint8)[:, ::2], p.d, p.m),
-        "d in fp32": (x, Q4_1, p.qs, p.d.float(), p.m),
-        "Q4_1 without m": (x, Q4_1, p.qs, p.d, None),
-        "m of other rows": (x, Q4_1, p.qs, p.d, p.m[:4]),
-        "Q8_0 on Q4 bytes": (x, Q8_0, p.qs, p.d, None),
-        "K not whole blocks": (torch.randn(2, 48), Q8_0, torch.zeros(8, 48, dtype=torch.uint8),
-                               torch.zeros(8, 1, dtype=torch.float16), None),
+        "x of another K": (torch.randn(2, 96), Q4_1, p.qs, p.d, p.m, 20),
+        "qs of another type": (x, Q4_1, p.qs.view(torch.int8), p.d, p.m, 20),
+        "qs of fewer panels": (x, Q4_1, p.qs[:1], p.d, p.m, 20),
+        "qs not contiguous": (x, Q4_1, torch.zeros(2, 2, 512, dtype=torch.uint8)[:, :, ::2],
+                              p.d, p.m, 20),
+        "d in fp32": (x, Q4_1, p.qs, p.d.float(), p.m, 20),
+        "Q4_1 without m": (x, Q4_1, p.qs, p.d, None, 20),
+        "m of other panels": (x, Q4_1, p.qs, p.d, p.m[:1], 20),
+        "Q8_0 on Q4 bytes": (x, Q8_0, p.qs, p.d, None, 20),
+        "more rows than the panels hold": (x, Q4_1, p.qs, p.d, p.m, 33),
+        "K not whole blocks": (torch.randn(2, 48), Q8_0, torch.zeros(2, 1, 512, dtype=torch.uint8),
+                               torch.zeros(2, 1, 16, dtype=torch.float16), None, 20),
     }
-    for what, (xb, qtype, qs, d, m) in bad.items():
+    wide = torch.full((2, 33), float("nan"))
+    for what, (xb, qtype, qs, d, m, n) in bad.items():
         with pytest.raises(ValueError, match="^gguf matmul: "):
-            cpu_kernels.gguf_matmul(xb, qtype, qs, d, m, None, out[:, :d.shape[0]])
-        assert out.isnan().all(), what
+            cpu_kernels.gguf_matmul(xb, qtype, qs, d, m, None, wide[:, :n])
+        assert wide.isnan().all(), what
         with pytest.raises(ValueError, match="^gguf dequantize: "):
-            cpu_kernels.gguf_dequantize(qtype, qs, d, m, xb.shape[1], torch.float32)
-    with pytest.raises(ValueError, match="qs uint8 \\[n, 32\\].*qs \\(8, 32\\) torch.int8"):
+            cpu_kernels.gguf_dequantize(qtype, qs, d, m, n, xb.shape[1], torch.float32)
+    with pytest.raises(ValueError, match="qs uint8 \\[2, 2, 256\\].*qs \\(2, 2, 256\\) torch.int8"):
         cpu_kernels.gguf_matmul(x, Q4_1, p.qs.view(torch.int8), p.d, p.m, None, out)
+
+
+@pytest.mark.parametrize("qtype", TYPES.values(), ids=TYPES.keys())
+def test_gguf_vnni_and_plain_c_agree_to_the_bit(qtype):
+    """The same integer sums and fused multiply-adds in the same order on both paths."""
+    if not cpu_kernels.gguf_simd_available():
+        pytest.skip("the kernels were not built with AVX-512 VNNI on this CPU")
+    weight, _ = _weight(qtype, 50, 160, seed=7)
+    part = weight.parts[0]
+    x = torch.randn(6, 160)
+    outs = []
+    for simd in (True, False):
+        cpu_kernels.set_gguf_simd(simd)
+        out = torch.empty(6, 50)
+        cpu_kernels.gguf_matmul(x, qtype, part.qs, part.d, part.m, None, out)
+        outs.append(out)
+    cpu_kernels.set_gguf_simd(True)
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("qtype", TYPES.values(), ids=TYPES.keys())
+def test_rows_filled_in_pieces_that_split_panels_equal_one_fill(qtype):
+    """A streaming load fills a part tensor by tensor: pieces starting and ending inside a panel
+    of 16 rows land where one fill of all the rows puts them."""
+    rng = np.random.default_rng(3)
+    w = (rng.standard_normal((45, 64)) * 0.1).astype(np.float32)
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType(qtype))
+    whole = allocate_part(qtype, 0, 45, 64)
+    fill_from_blocks(whole, 0, raw)
+    pieces = allocate_part(qtype, 0, 45, 64)
+    for a, b in ((0, 5), (5, 37), (37, 45)):
+        fill_from_blocks(pieces, a, raw[a:b])
+    for name in ("qs", "d", "m"):
+        if getattr(whole, name) is not None:
+            assert torch.equal(getattr(whole, name), getattr(pieces, name)), name
+    dense = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(qtype)).copy())
+    assert torch.equal(GGUFWeight(64, [pieces]).dequantize(torch.float32), dense)
 
 
 def test_a_gguf_matrix_whose_k_is_not_whole_blocks_is_refused_by_name(tmp_path):
@@ -179,7 +219,8 @@ def test_a_type_without_a_kernel_is_requantized_to_q8_0_within_half_a_step():
     part = allocate_part(Q8_0, 0, 20, 64)
     fill_from_float(part, 0, w)
     back = GGUFWeight(64, [part]).dequantize(torch.float32)
-    step = part.d.float().repeat_interleave(32, dim=1)
+    # d [panels, blocks, 16 rows] -> each weight's step [rows, 64]
+    step = part.d.float().permute(0, 2, 1).reshape(-1, 2)[:20].repeat_interleave(32, dim=1)
     assert (back[3, :32] == 0).all()
     assert ((back - w).abs() <= 0.5 * step * 1.01 + 1e-12).all()
 

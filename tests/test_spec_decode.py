@@ -382,15 +382,16 @@ def test_bench_spec_on_loaded_engines_reports_rates_the_ratio_and_acceptance(
 
 @pytest.mark.parametrize("kind", ["gguf", "int8"])
 def test_quantized_matmul_rows_of_a_verifying_step_are_the_plain_steps(kind):
-    """4 sequences verifying 4 proposals each: 20 rows, past the row count where the matmul
-    changes kernel; the plain step has 4. Told so, each sequence's row comes out as in the
-    plain step."""
+    """Sequences verifying 4 proposals each: 5 rows a sequence, past the row count where the
+    matmul changes kernel (int8: 16, GGUF: KERNEL_MAX_ROWS) while the plain step, a row a
+    sequence, stays under it. Told so, each sequence's row comes out as in the plain step."""
     from kernels import cpu as cpu_kernels
-    from services.worker.models.gguf_weights import (Q8_0, GGUFWeight, allocate_part,
-                                                     fill_from_float)
+    from services.worker.models.gguf_weights import (KERNEL_MAX_ROWS, Q8_0, GGUFWeight,
+                                                     allocate_part, fill_from_float)
     from services.worker.models.linear import PackedWeight, linear, pack_weight
     from services.worker.models.plain_rows import plain_step_rows
-    x = torch.randn(20, 128, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    seqs = KERNEL_MAX_ROWS[torch.bfloat16] // 4 if kind == "gguf" else 4
+    x = torch.randn(5 * seqs, 128, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     if not cpu_kernels.available_for(x):
         pytest.skip(f"no CPU kernels here: {cpu_kernels.unavailable_reason()}")
     w = torch.randn(96, 128, generator=torch.Generator().manual_seed(1)) / 8
@@ -401,10 +402,10 @@ def test_quantized_matmul_rows_of_a_verifying_step_are_the_plain_steps(kind):
     else:
         packed = pack_weight(w, quantization="int8")
     plain = linear(x[::5].contiguous(), w, None, packed)  # one row per sequence
-    with plain_step_rows(4):
+    with plain_step_rows(seqs):
         verifying = linear(x, w, None, packed)
     assert torch.equal(verifying[::5], plain)
-    if kind == "gguf":  # untold, the 20 rows take the dequantized weight: other roundings
+    if kind == "gguf":  # untold, the rows take the dequantized weight: other roundings
         assert not torch.equal(linear(x, w, None, packed)[::5], plain)
 
 

@@ -1,6 +1,6 @@
-"""Matmuls on GGUF block-quantized weights (matmul_gguf.c): Q8_0, Q4_0 and Q4_1 in the layout
-of services/worker/models/gguf_weights.py, multiplied without a dequantized copy or dequantized
-row by row. The C code trusts every shape it is given: the checks here are what keeps a
+"""Matmuls on GGUF block-quantized weights (matmul_gguf.c): Q8_0, Q4_0 and Q4_1 in its panel
+layout (filled by services/worker/models/gguf_weights.py), multiplied without a dequantized copy
+or dequantized row by row. The C code trusts every shape it is given: the checks here are what keeps a
 mismatched weight from reading past its arrays."""
 import torch
 
@@ -24,41 +24,53 @@ def set_gguf_simd(on: bool) -> None:
         lib.set_gguf_simd(int(on))
 
 
+PANEL = 16  # weight rows per panel of the layout (matmul_gguf.c)
+
+
+def panel_block_bytes(qtype: int) -> int:
+    """Quant bytes of one block of 32 weights of a whole panel."""
+    return 512 if qtype == _Q8_0 else 256
+
+
 def _check_blocks(what: str, qtype: int, qs: torch.Tensor, d: torch.Tensor,
-                  m: torch.Tensor | None, k: int) -> int:
+                  m: torch.Tensor | None, n: int, k: int) -> None:
     """ValueError unless qs, d (and m for Q4_1) are contiguous arrays of a weight [n, k] of
-    `qtype`; -> n. (Runs for every matmul of a step: one pass of cheap tests, the message
-    only on failure.)"""
-    n = d.shape[0] if d.dim() == 2 else -1
+    `qtype` in matmul_gguf.c's panel layout: qs uint8 [panels, k / 32, panel block bytes], d
+    (and m) float16 [panels, k / 32, 16]. (Runs for every matmul of a step: one pass of cheap
+    tests, the message only on failure.)"""
     nb = k // 32
-    if (k > 0 and k % 32 == 0 and n >= 0 and d.shape[1] == nb and d.dtype == torch.float16
-            and d.is_contiguous() and qs.dtype == torch.uint8 and qs.is_contiguous()
-            and qs.shape == (n, k if qtype == _Q8_0 else k // 2)
-            and (qtype == _Q8_0 or qtype == _Q4_0
-                 or (qtype == _Q4_1 and m is not None and m.shape == d.shape
-                     and m.dtype == torch.float16 and m.is_contiguous()))):
-        return n
+    panels = -(-n // PANEL)
+    scales = (panels, nb, PANEL)
+    if (k > 0 and k % 32 == 0 and n >= 0 and qtype in (_Q8_0, _Q4_0, _Q4_1)
+            and d.shape == scales and d.dtype == torch.float16 and d.is_contiguous()
+            and qs.dtype == torch.uint8 and qs.is_contiguous()
+            and qs.shape == (panels, nb, panel_block_bytes(qtype))
+            and (qtype != _Q4_1 or (m is not None and m.shape == scales
+                                     and m.dtype == torch.float16 and m.is_contiguous()))):
+        return
     if qtype not in (_Q8_0, _Q4_0, _Q4_1) or k <= 0 or k % 32:
         raise ValueError(f"{what}: type {qtype} with K = {k}: the kernel takes Q8_0 (8), Q4_0 "
                          f"(2) and Q4_1 (3) with K a multiple of 32")
     got = ", ".join(f"{name} {'None' if t is None else f'{tuple(t.shape)} {t.dtype}'}"
                     f"{'' if t is None or t.is_contiguous() else ' not contiguous'}"
                     for name, t in (("qs", qs), ("d", d), ("m", m)))
-    raise ValueError(f"{what}: a type {qtype} weight of K = {k} needs contiguous qs uint8 "
-                     f"[n, {k if qtype == _Q8_0 else k // 2}], d float16 [n, {nb}]"
-                     f"{f', m float16 [n, {nb}]' if qtype == _Q4_1 else ''}; got {got}")
+    raise ValueError(f"{what}: a type {qtype} weight [{n}, {k}] needs contiguous qs uint8 "
+                     f"[{panels}, {nb}, {panel_block_bytes(qtype)}], d float16 {list(scales)}"
+                     f"{f', m float16 {list(scales)}' if qtype == _Q4_1 else ''}; got {got}")
 
 
 def gguf_matmul(x: torch.Tensor, qtype: int, qs: torch.Tensor, d: torch.Tensor,
                 m: torch.Tensor | None, bias: torch.Tensor | None, out: torch.Tensor) -> None:
     """out [rows, n] (rows at any stride, unit column stride) = x [rows, k] W^T (+ bias [n]), W
-    in the layout of matmul_gguf.c (qs uint8, d and m fp16 [n, k / 32], contiguous); x, bias
-    and out in one dtype, float32 or bfloat16; x's rows contiguous. Raises ValueError, before
-    anything is written, for arrays that do not fit one another."""
-    if x.dim() != 2:
-        raise ValueError(f"gguf matmul: x must be 2-d [rows, k], got {tuple(x.shape)}")
+    [n, k] in the panel layout of matmul_gguf.c (see `_check_blocks`); x, bias and out in one
+    dtype, float32 or bfloat16; x's rows contiguous. Raises ValueError, before anything is
+    written, for arrays that do not fit one another."""
+    if x.dim() != 2 or out.dim() != 2:
+        raise ValueError(f"gguf matmul: x and out must be 2-d, got {tuple(x.shape)} and "
+                         f"{tuple(out.shape)}")
     rows, k = x.shape
-    n = _check_blocks("gguf matmul", qtype, qs, d, m, k)
+    n = out.shape[1]
+    _check_blocks("gguf matmul", qtype, qs, d, m, n, k)
     fn = bound_function("gguf_matmul", x.dtype)
     if fn is None:
         raise RuntimeError(f"gguf matmul is unavailable for {x.dtype}: "
@@ -77,12 +89,13 @@ def gguf_matmul(x: torch.Tensor, qtype: int, qs: torch.Tensor, d: torch.Tensor,
 
 
 def gguf_dequantize(qtype: int, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
-                    k: int, dtype: torch.dtype, ids: torch.Tensor | None = None) -> torch.Tensor:
-    """The rows `ids` (int64; all rows when None) of a weight in matmul_gguf.c's layout,
+                    n: int, k: int, dtype: torch.dtype,
+                    ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The rows `ids` (int64; all rows when None) of a weight [n, k] in matmul_gguf.c's layout,
     dequantized to `dtype` (float32 or bfloat16) exactly as gguf.quants.dequantize does (then
     rounded to bf16). Raises ValueError for arrays that do not fit one another or K, IndexError
     for an id outside the weight."""
-    n = _check_blocks("gguf dequantize", qtype, qs, d, m, k)
+    _check_blocks("gguf dequantize", qtype, qs, d, m, n, k)
     fn = bound_function("gguf_dequantize", dtype)
     if fn is None:
         raise RuntimeError(f"gguf dequantize is unavailable for {dtype}: "

@@ -1,12 +1,13 @@
 """GGUF block-quantized weights kept packed (`--quantization gguf`, the CPU).
 
 Q8_0, Q4_0 and Q4_1 (ggml's blocks of 32 weights of one row with an fp16 scale, and an fp16 min
-for Q4_1) are split once, at load, into the arrays kernels/cpu/matmul_gguf.c streams, with the
-file's bytes per weight: `qs` (Q8_0: q + 128 as uint8 [N, K]; Q4: each block's 16 nibble bytes
-as in the file, [N, K / 2]), `d` and, for Q4_1, `m` (fp16 [N, K / 32]). A weight of another
-type (Q4_K, Q6_K, F16, ...) is dequantized to fp32, one tensor at a time, and requantized to
-Q8_0: larger than its file, but only these three have a kernel. (K must be a multiple of 32:
-gguf_load.py refuses a matrix that is not, naming it.)
+for Q4_1) are regrouped once, at load, into the panels kernels/cpu/matmul_gguf.c streams (16 rows
+interleaved four weights at a time, the last panel padded with zero rows), with the file's bytes
+per weight: `qs` (uint8 [panels, K / 32, 512] for Q8_0, q + 128; [panels, K / 32, 256] for Q4,
+the file's nibble bytes), `d` and, for Q4_1, `m` (fp16 [panels, K / 32, 16]). A weight of
+another type (Q4_K, Q6_K, F16, ...) is dequantized to fp32, one tensor at a time, and
+requantized to Q8_0: larger than its file, but only these three have a kernel. (K must be a
+multiple of 32: gguf_load.py refuses a matrix that is not, naming it.)
 
 How a matmul runs, by the number of rows of x:
 - up to `KERNEL_MAX_ROWS`: the quantized kernel (x quantized to 8-bit blocks, integer dot
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu as cpu_kernels
+from kernels.cpu.gguf import PANEL, panel_block_bytes
 from services.worker.host_memory import host_empty
 
 Q4_0, Q4_1, Q8_0 = 2, 3, 8  # ggml's type ids
@@ -32,25 +34,23 @@ BLOCK = 32
 _BLOCK_BYTES = {Q8_0: 34, Q4_0: 18, Q4_1: 20}
 
 # The quantized kernel up to this many rows of x, a dequantized temporary and the dense matmul
-# above: where the two took the same time on the default model's shapes (576 x 3072 and
-# 1536 x 576, Q4_1; python -m ops.bench.gguf_matmuls, figures in docs/quantization.md). The
-# kernel's time grows with the rows (every row is another pass of integer products), the
-# temporary's cost is fixed.
-KERNEL_MAX_ROWS = {torch.float32: 32, torch.bfloat16: 16}
+# above. The kernel's time grows with the rows (each 4 rows are another pass of integer products
+# over a panel held in cache), the temporary's cost is mostly fixed; on the default model's
+# shapes (576 x 3072 and 1536 x 576, one thread) the kernel at 128 rows took a third of the
+# temporary's time in fp32 and two fifths in bf16 (python -m ops.bench.gguf_matmuls, figures in
+# docs/quantization.md), with the two lines meeting near 400 rows.
+KERNEL_MAX_ROWS = {torch.float32: 256, torch.bfloat16: 256}
 
 
 @dataclass
 class GGUFPart:
-    """Rows [row0, row0 + rows) of a weight, all of one type, in matmul_gguf.c's layout."""
+    """Rows [row0, row0 + rows) of a weight, all of one type, in matmul_gguf.c's panel layout."""
     qtype: int
     row0: int
-    qs: torch.Tensor  # uint8 [rows, K] (Q8_0) or [rows, K / 2] (Q4)
-    d: torch.Tensor  # float16 [rows, K / 32]
-    m: torch.Tensor | None = None  # float16 [rows, K / 32], Q4_1 only
-
-    @property
-    def rows(self) -> int:
-        return self.d.shape[0]
+    rows: int
+    qs: torch.Tensor  # uint8 [panels, K / 32, 512 (Q8_0) or 256 (Q4)]
+    d: torch.Tensor  # float16 [panels, K / 32, 16]
+    m: torch.Tensor | None = None  # float16 [panels, K / 32, 16], Q4_1 only
 
     @property
     def nbytes(self) -> int:
@@ -77,38 +77,77 @@ class GGUFWeight:
         kernel_dtype = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
         if ids is not None:
             (part,) = self.parts
-            out = cpu_kernels.gguf_dequantize(part.qtype, part.qs, part.d, part.m,
+            out = cpu_kernels.gguf_dequantize(part.qtype, part.qs, part.d, part.m, part.rows,
                                               self.in_features, kernel_dtype, ids)
         else:
-            outs = [cpu_kernels.gguf_dequantize(p.qtype, p.qs, p.d, p.m, self.in_features,
-                                                kernel_dtype) for p in self.parts]
+            outs = [cpu_kernels.gguf_dequantize(p.qtype, p.qs, p.d, p.m, p.rows,
+                                                self.in_features, kernel_dtype)
+                    for p in self.parts]
             out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out if out.dtype == dtype else out.to(dtype)
 
 
 def allocate_part(qtype: int, row0: int, rows: int, k: int) -> GGUFPart:
-    """An empty part (on huge pages: a step streams it from memory)."""
+    """An empty part (on huge pages: a step streams it from memory); the last panel's padding
+    rows are zeros."""
     nb = k // BLOCK
-    qs = host_empty((rows, k if qtype == Q8_0 else k // 2), torch.uint8)
-    d = host_empty((rows, nb), torch.float16)
-    m = host_empty((rows, nb), torch.float16) if qtype == Q4_1 else None
-    return GGUFPart(qtype, row0, qs, d, m)
+    panels = -(-rows // PANEL)
+    qs = host_empty((panels, nb, panel_block_bytes(qtype)), torch.uint8)
+    d = host_empty((panels, nb, PANEL), torch.float16)
+    m = host_empty((panels, nb, PANEL), torch.float16) if qtype == Q4_1 else None
+    for t in (qs, d, m):
+        if t is not None and panels:
+            t[-1].zero_()
+    return GGUFPart(qtype, row0, rows, qs, d, m)
+
+
+def _put_rows(panels: np.ndarray, start: int, values: np.ndarray) -> None:
+    """Rows [start, start + len(values)) of a panel array [P, nb, G, 16, W] (a row's values at
+    [p, :, :, lane, :]) from values [rows, nb, G, W]: whole panels in one copy, partial ones
+    lane by lane."""
+    row, end = start, start + len(values)
+    while row < end:
+        p, lane = divmod(row, PANEL)
+        src = values[row - start:]
+        if lane == 0 and end - row >= PANEL:
+            count = (end - row) // PANEL
+            block = src[:count * PANEL].reshape(count, PANEL, *values.shape[1:])
+            panels[p:p + count] = block.transpose(0, 2, 3, 1, 4)
+            row += count * PANEL
+        else:
+            take = min(PANEL - lane, end - row)
+            panels[p, :, :, lane:lane + take, :] = src[:take].transpose(1, 2, 0, 3)
+            row += take
+
+
+def _put_quants(part: GGUFPart, start: int, quants: np.ndarray) -> None:
+    """quants [rows, nb, bytes of a block's row] uint8 (Q8_0: 32 q + 128; Q4: the file's 16
+    nibble bytes) into the panels, four bytes a lane."""
+    rows, nb = quants.shape[:2]
+    view = part.qs.numpy().reshape(part.qs.shape[0], nb, -1, PANEL, 4)
+    _put_rows(view, start, quants.reshape(rows, nb, -1, 4))
+
+
+def _put_halves(target: torch.Tensor, start: int, halves: np.ndarray) -> None:
+    """fp16 values [rows, nb] (as uint16 bits) into a [P, nb, 16] scale array."""
+    view = target.numpy().view(np.uint16).reshape(target.shape[0], target.shape[1], 1, PANEL, 1)
+    _put_rows(view, start, halves.reshape(len(halves), -1, 1, 1))
 
 
 def fill_from_blocks(part: GGUFPart, start: int, blocks: np.ndarray) -> None:
     """Rows [start, start + len(blocks)) of `part` from a file tensor's raw bytes
-    [rows, K / 32 * block bytes] of the part's type: one copy, into place."""
+    [rows, K / 32 * block bytes] of the part's type, regrouped into the panels."""
     rows = blocks.shape[0]
     nb = part.d.shape[1]
-    raw = blocks.reshape(rows, nb, _BLOCK_BYTES[part.qtype])
-    part.d[start:start + rows].numpy().view(np.uint8).reshape(rows, nb, 2)[...] = raw[:, :, 0:2]
+    raw = np.ascontiguousarray(blocks).reshape(rows, nb, _BLOCK_BYTES[part.qtype])
+    _put_halves(part.d, start, raw[:, :, 0:2].copy().view(np.uint16))
     quants = 4 if part.qtype == Q4_1 else 2
     if part.m is not None:
-        part.m[start:start + rows].numpy().view(np.uint8).reshape(rows, nb, 2)[...] = raw[:, :, 2:4]
-    qs = part.qs[start:start + rows].numpy().reshape(rows, nb, -1)
-    qs[...] = raw[:, :, quants:]
+        _put_halves(part.m, start, raw[:, :, 2:4].copy().view(np.uint16))
+    q = raw[:, :, quants:]
     if part.qtype == Q8_0:
-        np.bitwise_xor(qs, 0x80, out=qs)  # int8 q -> q + 128
+        q = np.bitwise_xor(q, 0x80)  # int8 q -> q + 128
+    _put_quants(part, start, q)
 
 
 def fill_from_float(part: GGUFPart, start: int, weight: torch.Tensor) -> None:
@@ -123,8 +162,8 @@ def fill_from_float(part: GGUFPart, start: int, weight: torch.Tensor) -> None:
     d = (w.abs().amax(dim=-1) / 127.0).half()
     inv = torch.where(d.float() > 0, 1.0 / d.float(), torch.zeros_like(d, dtype=torch.float32))
     q = torch.round(w * inv[..., None]).clamp_(-127, 127).to(torch.int16) + 128
-    part.qs[start:start + rows].copy_(q.reshape(rows, k).to(torch.uint8))
-    part.d[start:start + rows].copy_(d)
+    _put_quants(part, start, q.to(torch.uint8).numpy())
+    _put_halves(part.d, start, d.numpy().view(np.uint16))
 
 
 def gguf_linear(x: torch.Tensor, weight: GGUFWeight, bias: torch.Tensor | None) -> torch.Tensor:
