@@ -712,7 +712,7 @@ def test_tiny_bf16_llama_with_the_kernels_matches_transformers_and_the_torch_ops
         assert same.float().mean() >= 0.9
 
 
-# --- the KV cache write and the layer blocks -------------------------------------------------
+# --- the KV cache write and the bf16 layer blocks (tests/test_layer_blocks.py: every kind) -------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_write_kv_cache_equals_the_reference(dtype):
@@ -740,97 +740,6 @@ def test_write_kv_cache_refuses_a_slot_outside_the_cache_and_writes_nothing():
     assert not caches[0].any() and not caches[1].any()
     with pytest.raises(ValueError, match="float32"):
         cpu_kernels.write_kv_cache(k.bfloat16(), k.bfloat16(), *caches, torch.tensor([0, 1, 2]))
-
-
-def block_layer(g, hidden=64, heads=4, kv_heads=2, head_dim=16, inter=96, bias=False):
-    """Random bf16 weights of one layer, packed as the model packs them."""
-    def weight(n, k):
-        return (torch.randn(n, k, generator=g) * 0.1).to(torch.bfloat16)
-
-    def vector(n):
-        return torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
-    n_qkv = (heads + 2 * kv_heads) * head_dim
-    return dict(
-        hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, inter=inter,
-        n_qkv=n_qkv, q_size=heads * head_dim,
-        norm=(1 + 0.1 * torch.randn(hidden, generator=g)).to(torch.bfloat16),
-        qkv=cpu_kernels.pack_amx_weight(weight(n_qkv, hidden)), qkv_bias=vector(n_qkv),
-        o=cpu_kernels.pack_amx_weight(weight(hidden, heads * head_dim)), o_bias=vector(hidden),
-        gate_up=cpu_kernels.pack_amx_weight(weight(2 * inter, hidden), gate_up=True),
-        gate_up_bias=vector(2 * inter),
-        down=cpu_kernels.pack_amx_weight(weight(hidden, inter)), down_bias=vector(hidden))
-
-
-@needs_amx
-@pytest.mark.parametrize("rows", [1, 7, 33])
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("first_layer", [False, True])
-def test_attention_input_block_equals_its_kernels_one_by_one(rows, bias, first_layer):
-    g = torch.Generator().manual_seed(rows)
-    w = block_layer(g, bias=bias)
-    rotary = RotaryEmbedding(tiny_llama_config(), w["head_dim"], 512, torch.bfloat16)
-    x = torch.randn(rows, w["hidden"], generator=g).to(torch.bfloat16)
-    residual = torch.randn(rows, w["hidden"], generator=g).to(torch.bfloat16)
-    positions = torch.randint(0, 512, (rows,), generator=g)
-    rotary_heads = w["heads"] + w["kv_heads"]
-    h = torch.empty(rows, w["hidden"], dtype=torch.bfloat16)
-    qkv = torch.empty(rows, w["n_qkv"], dtype=torch.bfloat16)
-    block_residual = None if first_layer else residual.clone()
-    cpu_kernels.attention_input(x, block_residual, w["norm"], 1e-5, w["qkv"], w["qkv_bias"],
-                                positions, rotary.cos_sin, rotary_heads, w["head_dim"], h, qkv)
-    ref_residual = None if first_layer else residual.clone()
-    ref_h = cpu_kernels.rms_norm(x, w["norm"], 1e-5, ref_residual)
-    ref_qkv = cpu_kernels.amx_linear(ref_h, w["qkv"], w["qkv_bias"], w["n_qkv"])
-    cpu_kernels.rotary_(ref_qkv[:, :rotary_heads * w["head_dim"]].view(
-        rows, rotary_heads, w["head_dim"]), positions, rotary.cos_sin)
-    assert torch.equal(h, ref_h) and torch.equal(qkv, ref_qkv)
-    if not first_layer:
-        assert torch.equal(block_residual, ref_residual)
-        assert not torch.equal(block_residual, residual)  # the residual add happened
-    def call(**change):
-        args = dict(x=x, residual=None, norm_weight=w["norm"], eps=1e-5, qkv_packed=w["qkv"],
-                    qkv_bias=w["qkv_bias"], positions=positions, cos_sin=rotary.cos_sin,
-                    rotary_heads=rotary_heads, head_dim=w["head_dim"], h=h, qkv=qkv)
-        cpu_kernels.attention_input(**{**args, **change})
-    with pytest.raises(IndexError, match="rotary positions"):
-        call(positions=torch.full((rows,), 512))
-    # What would be read out of bounds is refused before the C code runs.
-    with pytest.raises(ValueError, match="positions"):
-        call(positions=positions.int())
-    with pytest.raises(ValueError, match="packed weight"):
-        call(x=torch.zeros(rows, 2 * w["hidden"], dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="rotary table"):
-        call(head_dim=2 * w["head_dim"])
-
-
-@needs_amx
-@pytest.mark.parametrize("rows", [1, 7, 33])
-@pytest.mark.parametrize("bias", [False, True])
-def test_attention_output_mlp_block_equals_its_kernels_one_by_one(rows, bias):
-    g = torch.Generator().manual_seed(100 + rows)
-    w = block_layer(g, bias=bias)
-    attn = torch.randn(rows, w["q_size"], generator=g).to(torch.bfloat16)
-    residual = torch.randn(rows, w["hidden"], generator=g).to(torch.bfloat16)
-    h = torch.empty(rows, w["hidden"], dtype=torch.bfloat16)
-    act = torch.empty(rows, w["inter"], dtype=torch.bfloat16)
-    out = torch.empty(rows, w["hidden"], dtype=torch.bfloat16)
-    block_residual = residual.clone()
-    cpu_kernels.attention_output_mlp(attn, w["o"], w["o_bias"], block_residual, w["norm"], 1e-5,
-                                     w["gate_up"], w["gate_up_bias"], w["down"], w["down_bias"],
-                                     h, act, out)
-    ref_residual = residual.clone()
-    o = cpu_kernels.amx_linear(attn, w["o"], w["o_bias"], w["hidden"])
-    ref_h = cpu_kernels.rms_norm(o, w["norm"], 1e-5, ref_residual)
-    ref_act = cpu_kernels.amx_linear(ref_h, w["gate_up"], w["gate_up_bias"], 2 * w["inter"],
-                                     gate_up=True)
-    ref_out = cpu_kernels.amx_linear(ref_act, w["down"], w["down_bias"], w["hidden"])
-    assert torch.equal(block_residual, ref_residual) and torch.equal(h, ref_h)
-    assert torch.equal(act, ref_act) and torch.equal(out, ref_out)
-    with pytest.raises(ValueError, match="do not fit"):  # o_proj's input width is wrong
-        cpu_kernels.attention_output_mlp(attn[:, :-32].contiguous(), w["o"], w["o_bias"],
-                                         residual, w["norm"], 1e-5, w["gate_up"],
-                                         w["gate_up_bias"], w["down"], w["down_bias"], h, act,
-                                         out)
 
 
 @needs_amx

@@ -75,7 +75,7 @@ def test_layers_whose_weights_are_not_packed_never_build_the_cpu_kernels(monkeyp
     """On a GPU no weight is packed for the CPU kernels; asking whether the layer blocks run must
     then not load (compile) those kernels."""
     from kernels import cpu as cpu_kernels
-    from services.worker.models.llama import LlamaDecoderLayer
+    from services.worker.models.layer_blocks import LayerBlocks
 
     def must_not_run():
         raise AssertionError("the CPU kernels were consulted for a layer with no packed weights")
@@ -84,4 +84,4 @@ def test_layers_whose_weights_are_not_packed_never_build_the_cpu_kernels(monkeyp
     layer = types.SimpleNamespace(
         self_attn=types.SimpleNamespace(qkv_proj=unpacked, o_proj=unpacked, group=None),
         mlp=types.SimpleNamespace(gate_up_proj=unpacked, down_proj=unpacked))
-    assert LlamaDecoderLayer.blocks_ready(layer) is False
+    assert LayerBlocks.of(layer) is None

@@ -1,11 +1,13 @@
 """CPU kernels in C (built on first use, see build.py): paged decode attention, causal prefill
 attention for whole prompts, the KV cache write, the element-wise layer ops, greedy sampling,
 the bf16 matmul on AMX, int8 weight-only and w8a8 matmuls, matmuls on GGUF blocks
-(matmul_gguf.c), and a bf16 decoder layer's work around attention chained into two calls. Each
+(matmul_gguf.c), and a decoder layer's work around attention chained into two calls, or a decode
+step's layers into one (blocks.c). Each
 computes what its torch counterpart computes (kernels/reference.py for attention and the cache
 write, the modules of services/worker/models/llama.py and the sampler for the rest), which
 stands in for it where it cannot run: another device or dtype, no C compiler, or
-PAGODA_CPU_KERNELS=0. The int8 and GGUF wrappers live in int8.py and gguf.py, re-exported here;
+PAGODA_CPU_KERNELS=0. The int8, GGUF and layer-block wrappers live in int8.py, gguf.py and
+blocks.py, re-exported here;
 bind.py binds the C functions."""
 from collections.abc import Callable
 
@@ -16,6 +18,10 @@ from kernels.cpu.bind import bound_function as _function
 from kernels.cpu.bind import data_ptr as _ptr
 from kernels.cpu.build import load, unavailable_reason
 from kernels.reference import cache_row_width
+from kernels.cpu.blocks import (BlockLinear, amx_block_linear, attention_input,
+                                attention_output_mlp, decode_layers, decode_weights,
+                                gguf_block_linear, int8_block_linear, layer_blocks_available,
+                                silu_mul)
 from kernels.cpu.gguf import gguf_dequantize, gguf_matmul, gguf_simd_available, set_gguf_simd
 from kernels.cpu.int8 import (INT8_PATHS, int8_kernels_available, int8_linear, int8_paths,
                               pack_int8_weight, set_int8_path, unpack_int8_weight)
@@ -28,7 +34,11 @@ __all__ = [
     "causal_prefill_attention",
     # layer ops, sampling, the bf16 AMX matmul and the layer blocks
     "rms_norm", "rotary_", "greedy_sample", "set_amx_matmul", "amx_available", "pack_amx_weight",
-    "amx_linear", "layer_blocks_available", "attention_input", "attention_output_mlp",
+    "amx_linear",
+    # kernels/cpu/blocks.py: the layer blocks
+    "BlockLinear", "amx_block_linear", "int8_block_linear", "gguf_block_linear",
+    "layer_blocks_available", "attention_input", "attention_output_mlp", "decode_weights",
+    "decode_layers", "silu_mul",
     # kernels/cpu/gguf.py and int8.py
     "gguf_dequantize", "gguf_matmul", "gguf_simd_available", "set_gguf_simd",
     "INT8_PATHS", "int8_kernels_available", "int8_linear", "int8_paths", "pack_int8_weight",
@@ -371,77 +381,3 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
         raise RuntimeError(f"amx matmul cannot run [{num_rows}, {k}] x [{out_features}, {k}]^T "
                            f"(error {rc})")
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[1])
-
-
-# -- a bf16 decoder layer's work around attention, in two calls (blocks.c) ----------------------
-def layer_blocks_available() -> bool:
-    """Whether `attention_input` and `attention_output_mlp` run here: the AMX matmul does."""
-    return _amx_on and amx_available()
-
-
-def attention_input(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                    eps: float, qkv_packed: torch.Tensor, qkv_bias: torch.Tensor | None,
-                    positions: torch.Tensor, cos_sin: torch.Tensor, rotary_heads: int,
-                    head_dim: int, h: torch.Tensor, qkv: torch.Tensor) -> None:
-    """With residual: residual += x, h = RMSNorm(residual); else h = RMSNorm(x). Then
-    qkv = h Wqkv^T (+ bias) with the first `rotary_heads` heads (q, then k) rotated at
-    `positions` in place (as `rotary_`). x, residual, h [T, hidden]; qkv [T, n_qkv]; all
-    contiguous bf16, the weight packed by `pack_amx_weight`, positions [T] int64. The checks
-    are those the C code cannot make; the layer's fixed shapes are checked once, when the
-    model decides to run its layers this way (LlamaDecoderLayer.blocks_ready)."""
-    rows, hidden = x.shape
-    n_qkv = qkv.shape[1]
-    # The messages are formatted only on failure: these run for every layer of every step.
-    if not (x.dtype == torch.bfloat16 and x.is_contiguous()
-            and (residual is None or (residual.shape == x.shape and residual.is_contiguous()))
-            and h.shape == x.shape and qkv.shape[0] == rows
-            and qkv_packed.numel() == n_qkv * hidden):
-        raise ValueError(f"attention input: x {tuple(x.shape)} {x.dtype} does not fit h "
-                         f"{tuple(h.shape)}, qkv {tuple(qkv.shape)} and a packed weight of "
-                         f"{qkv_packed.numel()} values")
-    if not (positions.dtype == torch.int64 and positions.shape == (rows,)
-            and positions.is_contiguous() and cos_sin.shape[1:] == (2, head_dim)
-            and rotary_heads * head_dim <= n_qkv):
-        raise ValueError(f"attention input: positions {tuple(positions.shape)} "
-                         f"{positions.dtype} for {rows} rows, a rotary table "
-                         f"{tuple(cos_sin.shape)}, {rotary_heads} heads of {head_dim}")
-    rc = _function("attention_input", torch.bfloat16)(
-        x.data_ptr(), _ptr(residual), norm_weight.data_ptr(), eps, qkv_packed.data_ptr(),
-        _ptr(qkv_bias), n_qkv, rows, hidden, positions.data_ptr(), cos_sin.data_ptr(),
-        cos_sin.shape[0], rotary_heads, head_dim, h.data_ptr(), qkv.data_ptr())
-    if rc == -10:
-        raise _positions_outside(positions, cos_sin)
-    if rc != 0:
-        raise RuntimeError(f"attention input block cannot run [{rows}, {hidden}] -> {n_qkv} "
-                           f"(error {rc})")
-
-
-def attention_output_mlp(attn: torch.Tensor, o_packed: torch.Tensor, o_bias: torch.Tensor | None,
-                         residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                         gate_up_packed: torch.Tensor, gate_up_bias: torch.Tensor | None,
-                         down_packed: torch.Tensor, down_bias: torch.Tensor | None,
-                         h: torch.Tensor, act: torch.Tensor, out: torch.Tensor) -> None:
-    """residual += attn Wo^T (+ bias); h = RMSNorm(residual);
-    out = (SiLU(h Wg^T) * (h Wu^T)) Wd^T, biases added where given. attn [T, attn_width];
-    residual, h, out [T, hidden]; act [T, intermediate] scratch; all contiguous bf16, weights
-    packed by `pack_amx_weight` (gate/up with `gate_up`)."""
-    rows, attn_width = attn.shape
-    hidden, inter = out.shape[1], act.shape[1]
-    if not (attn.dtype == torch.bfloat16 and attn.is_contiguous()
-            and residual.shape == out.shape == h.shape == (rows, hidden)
-            and residual.is_contiguous() and act.shape[0] == rows
-            and o_packed.numel() == hidden * attn_width
-            and gate_up_packed.numel() == 2 * inter * hidden
-            and down_packed.numel() == hidden * inter):
-        raise ValueError(f"attention output / MLP: attn {tuple(attn.shape)} {attn.dtype}, "
-                         f"residual {tuple(residual.shape)}, out {tuple(out.shape)}, act "
-                         f"{tuple(act.shape)} do not fit packed weights of {o_packed.numel()}, "
-                         f"{gate_up_packed.numel()}, {down_packed.numel()} values")
-    rc = _function("attention_output_mlp", torch.bfloat16)(
-        attn.data_ptr(), attn_width, o_packed.data_ptr(), _ptr(o_bias), residual.data_ptr(),
-        norm_weight.data_ptr(), eps, gate_up_packed.data_ptr(), _ptr(gate_up_bias),
-        down_packed.data_ptr(), _ptr(down_bias), rows, hidden, inter, h.data_ptr(),
-        act.data_ptr(), out.data_ptr())
-    if rc != 0:
-        raise RuntimeError(f"attention output / MLP block cannot run [{rows}, {attn_width}] -> "
-                           f"{hidden}, intermediate {inter} (error {rc})")

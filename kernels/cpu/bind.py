@@ -24,10 +24,6 @@ _SIGNATURES = {
                           _INT),
     "paged_decode_q8": ([_P, _I64, _P, _P, _P, _I64, _P, _P, _INT, _INT, _INT, _INT, _INT, _F,
                          _INT], _INT),
-    "attention_input": ([_P, _P, _P, _F, _P, _P, _I64, _I64, _I64, _P, _P, _I64, _INT, _INT, _P,
-                         _P], _INT),
-    "attention_output_mlp": ([_P, _I64, _P, _P, _P, _P, _F, _P, _P, _P, _P, _I64, _I64, _I64, _P,
-                              _P, _P], _INT),
     "gguf_matmul": ([_P, _I64, _I64, _I64, _INT, _P, _P, _P, _I64, _P, _P, _I64], _INT),
     "gguf_dequantize": ([_INT, _P, _P, _P, _I64, _I64, _P, _I64, _P], _INT),
 }

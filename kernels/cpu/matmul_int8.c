@@ -28,6 +28,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "layer_kernels.h"
 
 #define PANEL 32          /* output columns per panel: two 16-column tiles */
 #define KSTEP 64          /* K values per step */

@@ -140,6 +140,12 @@ class SiluAndMulLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and self.packed.gate_up:
             return linear(x, self.weight, self.bias, self.packed)
+        gate_up = linear(x, self.weight, self.bias, self.packed)
+        if self.packed is not None and self.packed.kind == "gguf" and gate_up.dim() == 2:
+            # As the layer blocks compute it (kernels/cpu/blocks.c), so that a GGUF model gives
+            # the same numbers either way: its activations are quantized to 8 bits at every
+            # matmul, where a last-bit difference can move a value across a rounding step.
+            return cpu_kernels.silu_mul(gate_up)
         # torch's two vectorised ops here are as fast as a fused C loop (pagoda bench kernels).
-        gate, up = linear(x, self.weight, self.bias, self.packed).chunk(2, dim=-1)
+        gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up

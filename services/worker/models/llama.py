@@ -12,7 +12,6 @@ row-parallel outputs are summed over the group.
 """
 import importlib.util
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,6 +21,8 @@ from torch import nn
 from kernels import cpu as cpu_kernels
 from services.worker.attention.base import AttentionBackend, AttentionMetadata
 from services.worker.models.gguf_weights import GGUFWeight, gguf_embedding
+from services.worker.models.layer_blocks import (DecodeStep, LayerBlocks, LayerWorkspace,
+                                                 forward_blocks)
 from services.worker.models.linear import (Linear, PackedWeight, SiluAndMulLinear, linear,
                                            pack_weight)
 from services.worker.models.rope import rope_inv_freq
@@ -218,60 +219,6 @@ class LlamaDecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
-    def blocks_ready(self) -> bool:
-        """Whether `forward_blocks` can run this layer: its matmuls packed for the AMX kernel
-        (gate/up with the fused SiLU), which the blocks call."""
-        attn, mlp = self.self_attn, self.mlp
-        packed = (attn.qkv_proj.packed, attn.o_proj.packed, mlp.gate_up_proj.packed,
-                  mlp.down_proj.packed)
-        # The packing first: on a GPU nothing is packed, and the CPU kernels are never built.
-        # The blocks run o_proj and the MLP in one call: no room for a sum over ranks between.
-        return (attn.group is None and all(p is not None and p.kind == "amx" for p in packed)
-                and mlp.gate_up_proj.packed.gate_up and cpu_kernels.layer_blocks_available())
-
-    def forward_blocks(self, positions: torch.Tensor, x: torch.Tensor,
-                       residual: torch.Tensor | None, kv_cache: KVCache | None,
-                       meta: AttentionMetadata,
-                       ws: "LayerWorkspace") -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward` with the work before attention and the work after it in one C call each
-        (kernels/cpu/blocks.c): the same kernels, without the interpreter between them.
-        Returns ws.out as the MLP output, which the next layer reads before overwriting it."""
-        attn, mlp = self.self_attn, self.mlp
-        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-        cpu_kernels.attention_input(
-            x, residual, norm1.weight, norm1.eps, attn.qkv_proj.packed.data, attn.qkv_proj.bias,
-            positions, attn.rotary.cos_sin, attn.num_heads + attn.num_kv_heads, attn.head_dim,
-            ws.h, ws.qkv)
-        if residual is None:  # the first layer: the residual stream starts as its input
-            residual = x
-        out = attn.attend(*attn.split_heads(ws.qkv), kv_cache, meta)
-        if not out.is_contiguous():
-            out = out.contiguous()
-        cpu_kernels.attention_output_mlp(
-            out, attn.o_proj.packed.data, attn.o_proj.bias, residual, norm2.weight, norm2.eps,
-            mlp.gate_up_proj.packed.data, mlp.gate_up_proj.bias, mlp.down_proj.packed.data,
-            mlp.down_proj.bias, ws.h, ws.act, ws.out)
-        return ws.out, residual
-
-
-@dataclass
-class LayerWorkspace:
-    """One step's activations for `forward_blocks`, shared by every layer in turn."""
-    h: torch.Tensor  # [T, hidden] normalised input of a matmul
-    qkv: torch.Tensor  # [T, q_size + 2 * kv_size]
-    act: torch.Tensor  # [T, intermediate] SiLU(gate) * up
-    out: torch.Tensor  # [T, hidden] a layer's MLP output
-
-    @classmethod
-    def allocate(cls, layer: LlamaDecoderLayer, num_tokens: int) -> "LayerWorkspace":
-        attn, mlp = layer.self_attn, layer.mlp
-        hidden = layer.input_layernorm.weight.shape[0]
-        dtype = layer.input_layernorm.weight.dtype
-        return cls(h=torch.empty(num_tokens, hidden, dtype=dtype),
-                   qkv=torch.empty(num_tokens, attn.q_size + 2 * attn.kv_size, dtype=dtype),
-                   act=torch.empty(num_tokens, mlp.down_proj.weight.shape[1], dtype=dtype),
-                   out=torch.empty(num_tokens, hidden, dtype=dtype))
-
 
 class LlamaModel(nn.Module):
     def __init__(self, hf_config, attn_backend: AttentionBackend, dtype: torch.dtype,
@@ -286,18 +233,36 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(c, attn_backend, rotary, dtype, shard, group)
                                     for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        self.use_blocks = False  # layers run `forward_blocks`: set once the weights are packed
+        # The C layer blocks (models/layer_blocks.py), set up once the weights are packed where
+        # they run every layer; `use_blocks` and `use_decode_step` can turn them off.
+        self.layer_blocks: list[LayerBlocks] | None = None
+        self.decode_step: DecodeStep | None = None
+        self.use_blocks = False
+        self.use_decode_step = True
+
+    def set_up_blocks(self) -> None:
+        blocks = [LayerBlocks.of(layer) for layer in self.layers]
+        ready = all(b is not None for b in blocks)
+        self.layer_blocks = blocks if ready else None
+        self.decode_step = DecodeStep(self, blocks) if ready else None
+        self.use_blocks = ready
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache] | None, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
         residual = None
-        ws = (LayerWorkspace.allocate(self.layers[0], x.shape[0])
-              if self.use_blocks and cpu_kernels.available_for(x) else None)
+        blocks = self.layer_blocks if self.use_blocks and cpu_kernels.available_for(x) else None
+        if blocks is not None and not blocks[0].runs(x):
+            blocks = None
+        if blocks is not None and self.use_decode_step and self.decode_step.runs(x, kv_caches,
+                                                                                meta):
+            return self.decode_step(x, positions, kv_caches, meta)
+        ws = LayerWorkspace.allocate(blocks[0], x.shape[0]) if blocks is not None else None
         for i, layer in enumerate(self.layers):
             kv_cache = kv_caches[i] if kv_caches is not None else None
             x, residual = (layer(positions, x, residual, kv_cache, meta) if ws is None else
-                           layer.forward_blocks(positions, x, residual, kv_cache, meta, ws))
+                           forward_blocks(layer, blocks[i], positions, x, residual, kv_cache,
+                                          meta, ws))
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
@@ -360,19 +325,17 @@ class LlamaForCausalLM(nn.Module):
         is the largest matmul and is packed in fp32 too (a copy of the embedding, when tied).
         `quantization="int8"` or `"w8a8"`: every matmul weight, the head included, as int8 rows
         and scales, one tensor at a time; a tied embedding table itself stays as loaded."""
-        if quantization == "gguf":  # packed as loaded (services/worker/models/gguf_load.py)
-            self.packed = True
-            return
-        head_dtypes = (torch.bfloat16, torch.float32)
-        for name, module in self.named_modules():
-            if isinstance(module, Linear):
-                module.pack(head_dtypes if name == "lm_head" else (torch.bfloat16,),
-                            quantization)
-        if self.tie_word_embeddings:
-            self.lm_head_packed = pack_weight(self.model.embed_tokens.weight, head_dtypes,
-                                              quantization=quantization)
+        if quantization != "gguf":  # gguf: packed as loaded (models/gguf_load.py)
+            head_dtypes = (torch.bfloat16, torch.float32)
+            for name, module in self.named_modules():
+                if isinstance(module, Linear):
+                    module.pack(head_dtypes if name == "lm_head" else (torch.bfloat16,),
+                                quantization)
+            if self.tie_word_embeddings:
+                self.lm_head_packed = pack_weight(self.model.embed_tokens.weight, head_dtypes,
+                                                  quantization=quantization)
         # All layers or none: a model some of whose matmuls went to oneDNN runs module by module.
-        self.model.use_blocks = all(layer.blocks_ready() for layer in self.model.layers)
+        self.model.set_up_blocks()
         self.packed = True
 
     @torch.no_grad()
