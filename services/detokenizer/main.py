@@ -27,6 +27,10 @@ log = get_logger("detokenizer")
 # A request with no delta for this long is forgotten: the engine moved it elsewhere or is gone
 # (a request waiting in a long queue gets no deltas meanwhile, so this is generous).
 _IDLE_REQUEST_S = 900.0
+# The longest wait for output: SIGTERM only sets a flag, and a zmq poll the signal interrupts
+# resumes waiting, so a poll as long as the heartbeat period (a quarter of the liveness
+# timeout: 15 s at 60 s) held the stop back past the launcher's grace period.
+_STOP_CHECK_S = 0.5
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -96,7 +100,7 @@ class DetokenizerService:
                     last_sweep = time.monotonic()
                     if forgotten := self.detokenizer.forget_idle(_IDLE_REQUEST_S):
                         log.info("forgot idle requests", requests=forgotten)
-                ready = dict(self.poller.poll(int(heartbeat_every * 1000)))
+                ready = dict(self.poller.poll(int(min(heartbeat_every, _STOP_CHECK_S) * 1000)))
                 for replica, sock in enumerate(self.engines):
                     if sock in ready:
                         self._handle(sock.recv(), replica)

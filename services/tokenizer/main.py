@@ -29,6 +29,10 @@ log = get_logger("tokenizer")
 
 _READ_AHEAD = 256  # requests read off the socket ahead of tokenizing (aborts can drop them)
 _ABORTS_REMEMBERED_S = 120.0
+# The longest wait for input: SIGTERM only sets a flag, and a zmq poll the signal interrupts
+# resumes waiting, so a poll as long as the heartbeat period (a quarter of the liveness
+# timeout: 15 s at 60 s) held the stop back past the launcher's grace period.
+_STOP_CHECK_S = 0.5
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -97,7 +101,8 @@ class TokenizerService:
                     for replica in range(len(self.engines)):
                         self._send_to_engine(beat, replica)
                     last_beat = time.monotonic()
-                if not self.backlog and not self.input.poll(int(heartbeat_every * 1000)):
+                if not self.backlog and not self.input.poll(
+                        int(min(heartbeat_every, _STOP_CHECK_S) * 1000)):
                     continue
                 self._read_ahead()  # before each request: aborts that came since drop theirs
                 req = self.backlog.pop()

@@ -27,6 +27,10 @@ from services.worker.distributed import GroupBroken
 log = get_logger("worker")
 
 GROUP_BROKEN_EXIT_CODE = 3
+# The longest blocking wait: SIGTERM only sets a flag, and a zmq poll the signal interrupts
+# resumes waiting, so waits as long as the re-registration period (a quarter of the liveness
+# timeout: 15 s at 60 s) held the stop back past the launcher's grace period.
+_STOP_CHECK_S = 0.5
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -98,7 +102,8 @@ class WorkerService:
         last_done = None  # when the previous step's output went out
         # While nothing comes from the engine the registration is repeated: an engine that
         # restarted (or dropped this worker) learns of it without this process restarting.
-        reregister_ms = int(self.stack.liveness_timeout_s / 4 * 1000)
+        reregister_s = self.stack.liveness_timeout_s / 4
+        quiet_since = time.monotonic()
         log.info("worker ready", rank=self.rank, engine=self.stack.worker_addr)
         group = self.worker.group
         try:
@@ -106,7 +111,10 @@ class WorkerService:
                 self._serve_follower()
                 return
             while not self._stop:
-                if not self.sock.poll(reregister_ms):
+                if not self.sock.poll(int(min(reregister_s, _STOP_CHECK_S) * 1000)):
+                    if time.monotonic() - quiet_since < reregister_s:
+                        continue
+                    quiet_since = time.monotonic()
                     last_done = None  # no steps flowing: not idle time between passes
                     if group is not None:
                         # Notices a rank that died while nothing ran (before registering,
@@ -124,6 +132,7 @@ class WorkerService:
                 done = time.perf_counter()
                 self.busy_s += done - start
                 last_done = done
+                quiet_since = time.monotonic()
         finally:
             if group is not None and group.is_leader and self._stop:
                 try:
@@ -150,7 +159,12 @@ class WorkerService:
         spread_this_thread()
         while not self._stop:
             self._register()
-            time.sleep(self.stack.liveness_timeout_s / 4)
+            self._sleep_unless_stopped(self.stack.liveness_timeout_s / 4)
+
+    def _sleep_unless_stopped(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while not self._stop and (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(left, _STOP_CHECK_S))
 
     def _register(self) -> None:
         try:
@@ -166,7 +180,7 @@ class WorkerService:
         try:
             while not self._stop:
                 sock.send(beat)
-                time.sleep(self.stack.liveness_timeout_s / 4)
+                self._sleep_unless_stopped(self.stack.liveness_timeout_s / 4)
         finally:
             sock.close(0)
 
