@@ -13,8 +13,8 @@ import torch
 from kernels import cpu as cpu_kernels
 from pagoda import LLM
 from services.worker.models import gguf_weights
-from services.worker.models.gguf_weights import (Q4_0, Q4_1, Q8_0, GGUFWeight, allocate_part,
-                                                 fill_from_blocks, fill_from_float)
+from services.worker.models.gguf_weights import (Q4_0, Q4_1, Q4_K, Q8_0, GGUFWeight,
+                                                 allocate_part, fill_from_blocks, fill_from_float)
 from services.worker.models.linear import Linear
 from shared.config import ConfigError, EngineArgs
 from shared.model_source import default_model_path
@@ -24,9 +24,10 @@ from tests.test_int8_weights import (MAX_TOKENS, MIN_AGREEING, PROMPTS, TEXT, TO
 
 gguf = pytest.importorskip("gguf")
 
-TYPES = {"Q8_0": Q8_0, "Q4_0": Q4_0, "Q4_1": Q4_1}
+TYPES = {"Q8_0": Q8_0, "Q4_0": Q4_0, "Q4_1": Q4_1, "Q4_K": Q4_K}
 ROWS = [1, 3, 16, 130]  # the VNNI tiles' 4 rows: fewer, whole ones, and whole ones and a tail
 SHAPES = [(32, 8), (96, 33), (160, 17), (576, 64)]  # (K, N): 1, 3, 5 and 18 blocks a row
+K_SHAPES = [(256, 8), (512, 33), (768, 17)]  # Q4_K: super-blocks of 256
 
 
 @pytest.fixture(params=["vnni", "portable"])
@@ -41,15 +42,31 @@ def gguf_path(request):
     cpu_kernels.set_gguf_simd(True)
 
 
+def _q4_k_blocks(w: np.ndarray, rng) -> np.ndarray:
+    """Random Q4_K super-blocks for a weight shaped like w (gguf's Python package cannot quantize
+    to Q4_K): fp16 d and dmin scaled by each row's magnitude, random 6-bit scales and mins,
+    random nibbles; every byte pattern of those is a valid block."""
+    rows, k = w.shape
+    supers = k // 256
+    raw = rng.integers(0, 256, (rows, supers, 144), dtype=np.uint8)
+    mag = np.abs(w).max(axis=1, keepdims=True)[:, :, None] + 1e-3
+    d = (rng.uniform(0.5, 1.5, (rows, supers, 1)) * mag / 15 / 63).astype(np.float16)
+    dmin = (rng.uniform(0.0, 1.0, (rows, supers, 1)) * mag / 63).astype(np.float16)
+    raw[:, :, 0:2] = d.view(np.uint8)
+    raw[:, :, 2:4] = dmin.view(np.uint8)
+    return raw.reshape(rows, supers * 144)
+
+
 def _weight(qtype: int, n: int, k: int, seed: int) -> tuple[GGUFWeight, torch.Tensor]:
-    """A random weight quantized by gguf, packed -> (packed, gguf's dequantized fp32)."""
+    """A random weight quantized by gguf (Q4_K: random blocks), packed -> (packed, gguf's
+    dequantized fp32)."""
     rng = np.random.default_rng(seed)
     w = (rng.standard_normal((n, k)) * np.logspace(-2, 0, n)[:, None]).astype(np.float32)
-    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType(qtype))
+    kind = gguf.GGMLQuantizationType(qtype)
+    raw = _q4_k_blocks(w, rng) if qtype == Q4_K else gguf.quants.quantize(w, kind)
     part = allocate_part(qtype, 0, n, k)
     fill_from_blocks(part, 0, raw)
-    return GGUFWeight(k, [part]), torch.from_numpy(gguf.quants.dequantize(
-        raw, gguf.GGMLQuantizationType(qtype)).copy())
+    return GGUFWeight(k, [part]), torch.from_numpy(gguf.quants.dequantize(raw, kind).copy())
 
 
 def _quantized_activations(x: torch.Tensor) -> torch.Tensor:
@@ -62,10 +79,14 @@ def _quantized_activations(x: torch.Tensor) -> torch.Tensor:
     return (q * d[..., None]).reshape(rows, k)
 
 
+MATMUL_CASES = [(name, k, n) for name in TYPES for k, n in (K_SHAPES if name == "Q4_K"
+                                                               else SHAPES)]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("k,n", SHAPES)
-@pytest.mark.parametrize("qtype", TYPES.values(), ids=TYPES.keys())
-def test_gguf_matmul_equals_the_dequantized_weight(gguf_path, qtype, k, n, dtype):
+@pytest.mark.parametrize("name,k,n", MATMUL_CASES)
+def test_gguf_matmul_equals_the_dequantized_weight(gguf_path, name, k, n, dtype):
+    qtype = TYPES[name]
     weight, dense = _weight(qtype, n, k, seed=k * 1000 + n)
     part = weight.parts[0]
     for rows in ROWS:
@@ -117,7 +138,7 @@ def test_gguf_linear_of_a_fused_weight_of_two_types_on_decode_and_prompt_rows(dt
 
 @pytest.mark.parametrize("qtype", TYPES.values(), ids=TYPES.keys())
 def test_gguf_dequantize_is_ggufs_own(qtype):
-    weight, dense = _weight(qtype, 37, 96, seed=qtype)
+    weight, dense = _weight(qtype, 37, 256, seed=qtype)
     assert torch.equal(weight.dequantize(torch.float32), dense)
     assert torch.equal(weight.dequantize(torch.bfloat16), dense.bfloat16())
     ids = torch.tensor([5, 0, 36, 5])
@@ -162,9 +183,9 @@ def test_gguf_vnni_and_plain_c_agree_to_the_bit(qtype):
     """The same integer sums and fused multiply-adds in the same order on both paths."""
     if not cpu_kernels.gguf_simd_available():
         pytest.skip("the kernels were not built with AVX-512 VNNI on this CPU")
-    weight, _ = _weight(qtype, 50, 160, seed=7)
+    weight, _ = _weight(qtype, 50, 256, seed=7)
     part = weight.parts[0]
-    x = torch.randn(6, 160)
+    x = torch.randn(6, 256)
     outs = []
     for simd in (True, False):
         cpu_kernels.set_gguf_simd(simd)
@@ -180,18 +201,19 @@ def test_rows_filled_in_pieces_that_split_panels_equal_one_fill(qtype):
     """A streaming load fills a part tensor by tensor: pieces starting and ending inside a panel
     of 16 rows land where one fill of all the rows puts them."""
     rng = np.random.default_rng(3)
-    w = (rng.standard_normal((45, 64)) * 0.1).astype(np.float32)
-    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType(qtype))
-    whole = allocate_part(qtype, 0, 45, 64)
+    w = (rng.standard_normal((45, 256)) * 0.1).astype(np.float32)
+    kind = gguf.GGMLQuantizationType(qtype)
+    raw = _q4_k_blocks(w, rng) if qtype == Q4_K else gguf.quants.quantize(w, kind)
+    whole = allocate_part(qtype, 0, 45, 256)
     fill_from_blocks(whole, 0, raw)
-    pieces = allocate_part(qtype, 0, 45, 64)
+    pieces = allocate_part(qtype, 0, 45, 256)
     for a, b in ((0, 5), (5, 37), (37, 45)):
         fill_from_blocks(pieces, a, raw[a:b])
     for name in ("qs", "d", "m"):
         if getattr(whole, name) is not None:
             assert torch.equal(getattr(whole, name), getattr(pieces, name)), name
-    dense = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(qtype)).copy())
-    assert torch.equal(GGUFWeight(64, [pieces]).dequantize(torch.float32), dense)
+    dense = torch.from_numpy(gguf.quants.dequantize(raw, kind).copy())
+    assert torch.equal(GGUFWeight(256, [pieces]).dequantize(torch.float32), dense)
 
 
 def test_a_gguf_matrix_whose_k_is_not_whole_blocks_is_refused_by_name(tmp_path):
@@ -210,6 +232,30 @@ def test_a_gguf_matrix_whose_k_is_not_whole_blocks_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="^model.layers.0.mlp.down_proj.weight: 40 inputs, not "
                                          "a multiple of 32"):
         file.packed_into(GGUFWeight(40), ["model.layers.0.mlp.down_proj.weight"])
+
+
+def test_a_q4_k_tensor_of_a_file_loads_packed_as_gguf_dequantizes_it(tmp_path):
+    """Q4_K (most llama.cpp files' type) through the loader: a file's super-blocks become blocks
+    of 32 with fp32 scales and mins, and dequantize exactly as gguf does."""
+    from types import SimpleNamespace
+
+    from services.worker.models.gguf_load import GGUFFile
+    rng = np.random.default_rng(11)
+    raw = _q4_k_blocks(rng.standard_normal((40, 512)).astype(np.float32), rng)
+    path = str(tmp_path / "q4_k.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tensor("blk.0.ffn_down.weight", raw, raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    file = GGUFFile(path, SimpleNamespace(num_attention_heads=4, num_key_value_heads=4))
+    weight = GGUFWeight(512)
+    file.packed_into(weight, ["model.layers.0.mlp.down_proj.weight"])
+    (part,) = weight.parts
+    assert part.qtype == Q4_K and part.d.dtype == part.m.dtype == torch.float32
+    dense = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K)
+    assert torch.equal(weight.dequantize(torch.float32), torch.from_numpy(dense.copy()))
 
 
 def test_a_type_without_a_kernel_is_requantized_to_q8_0_within_half_a_step():

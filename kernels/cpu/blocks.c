@@ -39,7 +39,7 @@ typedef struct {
     int64_t parts;            /* GGUF: row ranges of one type each */
     int64_t qtype[MAX_PARTS], row0[MAX_PARTS], rows[MAX_PARTS];
     const uint8_t *qs[MAX_PARTS];
-    const uint16_t *d[MAX_PARTS], *m[MAX_PARTS];
+    const void *d[MAX_PARTS], *m[MAX_PARTS]; /* fp16 scales (fp32 for Q4_K) */
 } linear_t;
 
 /* y [rows, outputs] contiguous = x W^T (+ bias). Returns 0 or the kernel's error; -20 for a

@@ -1,4 +1,4 @@
-"""Matmuls on GGUF block-quantized weights (matmul_gguf.c): Q8_0, Q4_0 and Q4_1 in its panel
+"""Matmuls on GGUF block-quantized weights (matmul_gguf.c): Q8_0, Q4_0, Q4_1 and Q4_K in its panel
 layout (filled by services/worker/models/gguf_weights.py), multiplied without a dequantized copy
 or dequantized row by row. The C code trusts every shape it is given: the checks here are what keeps a
 mismatched weight from reading past its arrays."""
@@ -7,7 +7,8 @@ import torch
 from kernels.cpu.bind import bound_function, data_ptr
 from kernels.cpu.build import load, unavailable_reason
 
-_Q4_0, _Q4_1, _Q8_0 = 2, 3, 8  # ggml's type ids
+_Q4_0, _Q4_1, _Q8_0, _Q4_K = 2, 3, 8, 12  # ggml's type ids
+_TYPES = (_Q8_0, _Q4_0, _Q4_1, _Q4_K)
 
 
 def gguf_simd_available() -> bool:
@@ -32,31 +33,39 @@ def panel_block_bytes(qtype: int) -> int:
     return 512 if qtype == _Q8_0 else 256
 
 
+def scale_dtype(qtype: int) -> torch.dtype:
+    """The dtype of a type's block scales (and mins) in the panel layout."""
+    return torch.float32 if qtype == _Q4_K else torch.float16
+
+
 def _check_blocks(what: str, qtype: int, qs: torch.Tensor, d: torch.Tensor,
                   m: torch.Tensor | None, n: int, k: int) -> None:
-    """ValueError unless qs, d (and m for Q4_1) are contiguous arrays of a weight [n, k] of
-    `qtype` in matmul_gguf.c's panel layout: qs uint8 [panels, k / 32, panel block bytes], d
-    (and m) float16 [panels, k / 32, 16]. (Runs for every matmul of a step: one pass of cheap
-    tests, the message only on failure.)"""
+    """ValueError unless qs, d (and m for Q4_1 / Q4_K) are contiguous arrays of a weight [n, k]
+    of `qtype` in matmul_gguf.c's panel layout: qs uint8 [panels, k / 32, panel block bytes], d
+    (and m) [panels, k / 32, 16] of `scale_dtype`. (Runs for every matmul of a step: one pass of
+    cheap tests, the message only on failure.)"""
     nb = k // 32
     panels = -(-n // PANEL)
     scales = (panels, nb, PANEL)
-    if (k > 0 and k % 32 == 0 and n >= 0 and qtype in (_Q8_0, _Q4_0, _Q4_1)
-            and d.shape == scales and d.dtype == torch.float16 and d.is_contiguous()
+    has_min = qtype in (_Q4_1, _Q4_K)
+    sd = scale_dtype(qtype)
+    if (k > 0 and k % 32 == 0 and n >= 0 and qtype in _TYPES
+            and d.shape == scales and d.dtype == sd and d.is_contiguous()
             and qs.dtype == torch.uint8 and qs.is_contiguous()
             and qs.shape == (panels, nb, panel_block_bytes(qtype))
-            and (qtype != _Q4_1 or (m is not None and m.shape == scales
-                                     and m.dtype == torch.float16 and m.is_contiguous()))):
+            and (not has_min or (m is not None and m.shape == scales
+                                 and m.dtype == sd and m.is_contiguous()))):
         return
-    if qtype not in (_Q8_0, _Q4_0, _Q4_1) or k <= 0 or k % 32:
+    if qtype not in _TYPES or k <= 0 or k % 32:
         raise ValueError(f"{what}: type {qtype} with K = {k}: the kernel takes Q8_0 (8), Q4_0 "
-                         f"(2) and Q4_1 (3) with K a multiple of 32")
+                         f"(2), Q4_1 (3) and Q4_K (12) with K a multiple of 32")
     got = ", ".join(f"{name} {'None' if t is None else f'{tuple(t.shape)} {t.dtype}'}"
                     f"{'' if t is None or t.is_contiguous() else ' not contiguous'}"
                     for name, t in (("qs", qs), ("d", d), ("m", m)))
+    kind = str(sd).removeprefix("torch.")
     raise ValueError(f"{what}: a type {qtype} weight [{n}, {k}] needs contiguous qs uint8 "
-                     f"[{panels}, {nb}, {panel_block_bytes(qtype)}], d float16 {list(scales)}"
-                     f"{f', m float16 {list(scales)}' if qtype == _Q4_1 else ''}; got {got}")
+                     f"[{panels}, {nb}, {panel_block_bytes(qtype)}], d {kind} {list(scales)}"
+                     f"{f', m {kind} {list(scales)}' if has_min else ''}; got {got}")
 
 
 def gguf_matmul(x: torch.Tensor, qtype: int, qs: torch.Tensor, d: torch.Tensor,

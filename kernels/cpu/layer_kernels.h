@@ -19,10 +19,10 @@ int matmul_amx_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint16
 int matmul_int8(const void *x, int64_t x_stride, int64_t m, int bf16, const int8_t *packed,
                 const float *ws, const int32_t *wsum, const void *bias, int64_t n, int64_t k,
                 int gate_up, int w8a8, int path, void *y);
-/* y = x W^T (+ bias) on a GGUF weight in matmul_gguf.c's panel layout; x, bias, y fp32 or
- * (bf16 != 0) bf16. */
+/* y = x W^T (+ bias) on a GGUF weight in matmul_gguf.c's panel layout (scales wd, wm fp16, fp32
+ * for Q4_K); x, bias, y fp32 or (bf16 != 0) bf16. */
 int gguf_matmul_rows(const void *x, int64_t x_stride, int64_t rows, int64_t k, int qtype,
-                     const uint8_t *qs, const uint16_t *wd, const uint16_t *wm, int64_t n,
+                     const uint8_t *qs, const void *wd, const void *wm, int64_t n,
                      const void *bias, void *out, int64_t out_stride, int bf16);
 int kv_cache_write(const char *key, int64_t key_stride, const char *value, int64_t value_stride,
                    char *key_cache, char *value_cache, const int64_t *slots, int64_t tokens,

@@ -1,4 +1,4 @@
-/* Matmuls on GGUF block-quantized weights (Q8_0, Q4_0, Q4_1) without a dequantized copy:
+/* Matmuls on GGUF block-quantized weights (Q8_0, Q4_0, Q4_1, Q4_K) without a dequantized copy:
  * y = x W^T (+ bias), x fp32 or bf16, for `--quantization gguf`
  * (services/worker/models/gguf_weights.py).
  *
@@ -12,7 +12,7 @@
  *       Q4   [4 quads][16 rows][4 bytes], 256 bytes: byte i of quad j holds element 4j + i in
  *       its low nibble and element 16 + 4j + i in its high one (the file's own byte order,
  *       4 bytes at a time);
- *   d, m: [16 rows] fp16 (m for Q4_1 only).
+ *   d, m: [16 rows] fp16 (m for Q4_1 only); Q4_K's blocks of 32 as Q4_1's, d and m in fp32.
  * With every weight unsigned, w = d u + c with c = -128 d (Q8_0), -8 d (Q4_0) or m (Q4_1).
  *
  * As llama.cpp does, each row of x is quantized to 8-bit blocks of 32 (d_x = max|x| / 127,
@@ -33,7 +33,16 @@
 
 #define QK 32
 #define PANEL 16
-enum { GGUF_Q4_0 = 2, GGUF_Q4_1 = 3, GGUF_Q8_0 = 8 }; /* ggml's type ids */
+enum { GGUF_Q4_0 = 2, GGUF_Q4_1 = 3, GGUF_Q8_0 = 8, GGUF_Q4_K = 12 }; /* ggml's type ids */
+
+/* Q4_K's super-blocks (256 weights, 6-bit scale and min per 32) arrive as blocks of 32 like
+ * Q4_1's, with the block's scale d * sc and offset -dmin * m as fp32 (exact: an fp16 times a
+ * 6-bit integer) where Q4_1 has fp16. */
+static inline int has_min(int qtype) { return qtype == GGUF_Q4_1 || qtype == GGUF_Q4_K; }
+
+static inline int known_type(int qtype) {
+    return qtype == GGUF_Q8_0 || qtype == GGUF_Q4_0 || qtype == GGUF_Q4_1 || qtype == GGUF_Q4_K;
+}
 
 static int gguf_simd = 1;
 
@@ -62,6 +71,11 @@ static inline float half_to_float(uint16_t h) {
     return v.f;
 }
 
+/* Scale (or min) i of a weight's scale array: fp16, or fp32 for Q4_K. */
+static inline float scale_at(int qtype, const void *s, int64_t i) {
+    return qtype == GGUF_Q4_K ? ((const float *)s)[i] : half_to_float(((const uint16_t *)s)[i]);
+}
+
 static inline int64_t panel_block_bytes(int qtype) { return qtype == GGUF_Q8_0 ? 512 : 256; }
 
 /* Weight element (row lane l of a panel, element e of a block) from the block's quant bytes. */
@@ -82,7 +96,7 @@ typedef struct {
 } act_q;
 
 static inline float c_factor(int qtype) {
-    return qtype == GGUF_Q8_0 ? -128.0f : (qtype == GGUF_Q4_0 ? -8.0f : 1.0f);
+    return qtype == GGUF_Q8_0 ? -128.0f : (qtype == GGUF_Q4_0 ? -8.0f : 1.0f); /* min: 1 */
 }
 
 /* One block of 32 activations -> q, d_x and sum(q); the same rounding on both paths. */
@@ -159,7 +173,7 @@ static inline float bias_at(const void *bias, int bf16, int64_t i) {
 
 /* -- plain C ---------------------------------------------------------------------------------- */
 static void matmul_portable(const act_q *a, int64_t rows, int64_t k, int qtype, const uint8_t *qs,
-                            const uint16_t *wd, const uint16_t *wm, int64_t n, const void *bias,
+                            const void *wd, const void *wm, int64_t n, const void *bias,
                             void *out, int64_t out_stride, int bf16) {
     const int64_t nb = k / QK, panels = (n + PANEL - 1) / PANEL, bb = panel_block_bytes(qtype);
     #pragma omp parallel for schedule(static) if (rows * n * k > (1 << 18))
@@ -173,11 +187,11 @@ static void matmul_portable(const act_q *a, int64_t rows, int64_t k, int qtype, 
                     const uint8_t *q = qs + (p * nb + b) * bb;
                     int32_t dot = 0;
                     for (int e = 0; e < QK; e++) dot += weight_quant(qtype, q, l, e) * xq[b * QK + e];
-                    const float dw = half_to_float(wd[(p * nb + b) * PANEL + l]);
+                    const float dw = scale_at(qtype, wd, (p * nb + b) * PANEL + l);
                     const float dx = a->dx[r * nb + b], cx = a->cx[r * nb + b];
-                    if (qtype == GGUF_Q4_1) {
+                    if (has_min(qtype)) {
                         acc = fmaf((float)dot * dx, dw, acc);
-                        acc = fmaf(half_to_float(wm[(p * nb + b) * PANEL + l]), cx, acc);
+                        acc = fmaf(scale_at(qtype, wm, (p * nb + b) * PANEL + l), cx, acc);
                     } else {
                         acc = fmaf(fmaf((float)dot, dx, cx), dw, acc);
                     }
@@ -198,21 +212,23 @@ static inline __m512i bcast4(const int8_t *p) {
     return _mm512_set1_epi32(v);
 }
 
-static inline __m512 load_halves(const uint16_t *h) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
+/* 16 scales of a panel's block: fp16, or fp32 for Q4_K. */
+static inline __m512 load_scales(int qtype, const void *s, int64_t at) {
+    if (qtype == GGUF_Q4_K) return _mm512_loadu_ps((const float *)s + at);
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)s + at)));
 }
 
 /* acc[i] (16 rows of panel `p`) += the panel's products with rows r0 .. r0 + MT - 1 of x, over
  * every block. MT is a constant at each call (always_inline). */
 static inline __attribute__((always_inline)) void panel_rows(
         const act_q *a, int64_t k, int64_t r0, const int MT, int qtype, const uint8_t *wq,
-        const uint16_t *wd, const uint16_t *wm, int64_t nb, __m512 acc[4]) {
+        const void *wd, const void *wm, int64_t nb, __m512 acc[4]) {
     const __m512i low4 = _mm512_set1_epi8(0x0f);
     _Pragma("GCC unroll 4")
     for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *q = wq + b * panel_block_bytes(qtype);
-        const __m512 dw = load_halves(wd + b * PANEL);
+        const __m512 dw = load_scales(qtype, wd, b * PANEL);
         __m512i w[8];
         if (qtype == GGUF_Q8_0) {
             _Pragma("GCC unroll 8")
@@ -240,9 +256,9 @@ static inline __attribute__((always_inline)) void panel_rows(
             const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
             const int64_t at = (r0 + i) * nb + b;
             const __m512 dx = _mm512_set1_ps(a->dx[at]), cx = _mm512_set1_ps(a->cx[at]);
-            if (qtype == GGUF_Q4_1) {
+            if (has_min(qtype)) {
                 acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(dot, dx), dw, acc[i]);
-                acc[i] = _mm512_fmadd_ps(load_halves(wm + b * PANEL), cx, acc[i]);
+                acc[i] = _mm512_fmadd_ps(load_scales(qtype, wm, b * PANEL), cx, acc[i]);
             } else {
                 acc[i] = _mm512_fmadd_ps(_mm512_fmadd_ps(dot, dx, cx), dw, acc[i]);
             }
@@ -266,9 +282,10 @@ static inline void store_lanes(void *out, int bf16, int64_t at, __m512 v, __mmas
 }
 
 static void matmul_vnni(const act_q *a, int64_t rows, int64_t k, int qtype, const uint8_t *qs,
-                        const uint16_t *wd, const uint16_t *wm, int64_t n, const void *bias,
+                        const void *wd, const void *wm, int64_t n, const void *bias,
                         void *out, int64_t out_stride, int bf16) {
     const int64_t nb = k / QK, panels = (n + PANEL - 1) / PANEL, bb = panel_block_bytes(qtype);
+    const size_t ss = qtype == GGUF_Q4_K ? 4 : 2; /* bytes of a scale */
     #pragma omp parallel for schedule(static) if (rows * n * k > (1 << 18))
     for (int64_t p = 0; p < panels; p++) {
         const int64_t j0 = p * PANEL;
@@ -280,7 +297,8 @@ static void matmul_vnni(const act_q *a, int64_t rows, int64_t k, int qtype, cons
                              _mm256_maskz_loadu_epi16(mask, (const uint16_t *)bias + j0)), 16))
                        : _mm512_maskz_loadu_ps(mask, (const float *)bias + j0);
         const uint8_t *wq = qs + p * nb * bb;
-        const uint16_t *d = wd + p * nb * PANEL, *m = wm ? wm + p * nb * PANEL : NULL;
+        const char *d = (const char *)wd + p * nb * PANEL * ss;
+        const char *m = wm ? (const char *)wm + p * nb * PANEL * ss : NULL;
         for (int64_t r0 = 0; r0 < rows; r0 += 4) {
             __m512 acc[4];
             const int64_t mt = rows - r0 < 4 ? rows - r0 : 4;
@@ -302,11 +320,9 @@ static void matmul_vnni(const act_q *a, int64_t rows, int64_t k, int qtype, cons
  * the panel layout above. Returns -1 for a type it does not take or k not a multiple of 32, -2
  * out of memory. (Also called by blocks.c, through layer_kernels.h.) */
 int gguf_matmul_rows(const void *x, int64_t x_stride, int64_t rows, int64_t k, int qtype,
-                     const uint8_t *qs, const uint16_t *wd, const uint16_t *wm, int64_t n,
+                     const uint8_t *qs, const void *wd, const void *wm, int64_t n,
                      const void *bias, void *out, int64_t out_stride, int bf16) {
-    if (k % QK || (qtype != GGUF_Q8_0 && qtype != GGUF_Q4_0 && qtype != GGUF_Q4_1)
-        || (qtype == GGUF_Q4_1 && !wm))
-        return -1;
+    if (k % QK || !known_type(qtype) || (has_min(qtype) && !wm)) return -1;
     if (rows == 0 || n == 0) return 0;
     act_q a;
     if (quantize_activations(x, x_stride, rows, k, qtype, bf16, &a) != 0) return -2;
@@ -337,12 +353,10 @@ int gguf_matmul_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, int64_t 
 /* Rows `ids` [count] of W (all n rows when ids is NULL) dequantized into out [count, k], values
  * as gguf's own dequantize computes them (d q, d (q - 8), d q + m in fp32), then rounded to
  * bf16 for the bf16 variant. Returns -1 for a type it does not take or an id outside [0, n). */
-static int gguf_dequantize(int qtype, const uint8_t *qs, const uint16_t *wd, const uint16_t *wm,
+static int gguf_dequantize(int qtype, const uint8_t *qs, const void *wd, const void *wm,
                            int64_t n, int64_t k, const int64_t *ids, int64_t count, void *out,
                            int bf16) {
-    if (k % QK || (qtype != GGUF_Q8_0 && qtype != GGUF_Q4_0 && qtype != GGUF_Q4_1)
-        || (qtype == GGUF_Q4_1 && !wm))
-        return -1;
+    if (k % QK || !known_type(qtype) || (has_min(qtype) && !wm)) return -1;
     if (ids)
         for (int64_t r = 0; r < count; r++)
             if (ids[r] < 0 || ids[r] >= n) return -1;
@@ -353,8 +367,8 @@ static int gguf_dequantize(int qtype, const uint8_t *qs, const uint16_t *wd, con
         const int l = (int)(j % PANEL);
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *q = qs + (p * nb + b) * bb;
-            const float d = half_to_float(wd[(p * nb + b) * PANEL + l]);
-            const float m = qtype == GGUF_Q4_1 ? half_to_float(wm[(p * nb + b) * PANEL + l]) : 0.0f;
+            const float d = scale_at(qtype, wd, (p * nb + b) * PANEL + l);
+            const float m = has_min(qtype) ? scale_at(qtype, wm, (p * nb + b) * PANEL + l) : 0.0f;
             for (int e = 0; e < QK; e++) {
                 const int u = weight_quant(qtype, q, l, e);
                 const float v = qtype == GGUF_Q8_0 ? d * (float)(u - 128)

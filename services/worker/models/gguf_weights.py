@@ -4,9 +4,11 @@ Q8_0, Q4_0 and Q4_1 (ggml's blocks of 32 weights of one row with an fp16 scale, 
 for Q4_1) are regrouped once, at load, into the panels kernels/cpu/matmul_gguf.c streams (16 rows
 interleaved four weights at a time, the last panel padded with zero rows), with the file's bytes
 per weight: `qs` (uint8 [panels, K / 32, 512] for Q8_0, q + 128; [panels, K / 32, 256] for Q4,
-the file's nibble bytes), `d` and, for Q4_1, `m` (fp16 [panels, K / 32, 16]). A weight of
-another type (Q4_K, Q6_K, F16, ...) is dequantized to fp32, one tensor at a time, and
-requantized to Q8_0: larger than its file, but only these three have a kernel. (K must be a
+the file's nibble bytes), `d` and, for Q4_1, `m` (fp16 [panels, K / 32, 16]). Q4_K (super-blocks
+of 256 with 6-bit scales and mins per 32) becomes blocks of 32 in Q4_1's form with fp32 `d` and
+`m` (d * scale and -dmin * min, exact): 6 bits a weight where its file has 4.5. A weight of
+another type (Q5_K, Q6_K, F16, ...) is dequantized to fp32, one tensor at a time, and
+requantized to Q8_0: larger than its file, but only these four have a kernel. (K must be a
 multiple of 32: gguf_load.py refuses a matrix that is not, naming it.)
 
 How a matmul runs, by the number of rows of x:
@@ -24,12 +26,13 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu as cpu_kernels
-from kernels.cpu.gguf import PANEL, panel_block_bytes
+from kernels.cpu.gguf import PANEL, panel_block_bytes, scale_dtype
 from services.worker.host_memory import host_empty
 
-Q4_0, Q4_1, Q8_0 = 2, 3, 8  # ggml's type ids
-PACKED_TYPES = (Q8_0, Q4_0, Q4_1)
+Q4_0, Q4_1, Q8_0, Q4_K = 2, 3, 8, 12  # ggml's type ids
+PACKED_TYPES = (Q8_0, Q4_0, Q4_1, Q4_K)
 BLOCK = 32
+Q4_K_BLOCK, Q4_K_BYTES = 256, 144  # a Q4_K super-block: its weights, its bytes in the file
 # Bytes of a file block: fp16 d [, fp16 m], then the quants.
 _BLOCK_BYTES = {Q8_0: 34, Q4_0: 18, Q4_1: 20}
 
@@ -49,8 +52,8 @@ class GGUFPart:
     row0: int
     rows: int
     qs: torch.Tensor  # uint8 [panels, K / 32, 512 (Q8_0) or 256 (Q4)]
-    d: torch.Tensor  # float16 [panels, K / 32, 16]
-    m: torch.Tensor | None = None  # float16 [panels, K / 32, 16], Q4_1 only
+    d: torch.Tensor  # float16 [panels, K / 32, 16] (float32 for Q4_K)
+    m: torch.Tensor | None = None  # the same, Q4_1 and Q4_K only
 
     @property
     def nbytes(self) -> int:
@@ -92,9 +95,10 @@ def allocate_part(qtype: int, row0: int, rows: int, k: int) -> GGUFPart:
     rows are zeros."""
     nb = k // BLOCK
     panels = -(-rows // PANEL)
+    scales = scale_dtype(qtype)
     qs = host_empty((panels, nb, panel_block_bytes(qtype)), torch.uint8)
-    d = host_empty((panels, nb, PANEL), torch.float16)
-    m = host_empty((panels, nb, PANEL), torch.float16) if qtype == Q4_1 else None
+    d = host_empty((panels, nb, PANEL), scales)
+    m = host_empty((panels, nb, PANEL), scales) if qtype in (Q4_1, Q4_K) else None
     for t in (qs, d, m):
         if t is not None and panels:
             t[-1].zero_()
@@ -128,26 +132,56 @@ def _put_quants(part: GGUFPart, start: int, quants: np.ndarray) -> None:
     _put_rows(view, start, quants.reshape(rows, nb, -1, 4))
 
 
-def _put_halves(target: torch.Tensor, start: int, halves: np.ndarray) -> None:
-    """fp16 values [rows, nb] (as uint16 bits) into a [P, nb, 16] scale array."""
-    view = target.numpy().view(np.uint16).reshape(target.shape[0], target.shape[1], 1, PANEL, 1)
-    _put_rows(view, start, halves.reshape(len(halves), -1, 1, 1))
+def _put_scales(target: torch.Tensor, start: int, values: np.ndarray) -> None:
+    """Scales [rows, nb] (fp16 as uint16 bits, or fp32) into a [P, nb, 16] scale array."""
+    bits = target.numpy()
+    if bits.dtype == np.float16:
+        bits = bits.view(np.uint16)
+    view = bits.reshape(target.shape[0], target.shape[1], 1, PANEL, 1)
+    _put_rows(view, start, values.reshape(len(values), -1, 1, 1))
 
 
 def fill_from_blocks(part: GGUFPart, start: int, blocks: np.ndarray) -> None:
     """Rows [start, start + len(blocks)) of `part` from a file tensor's raw bytes
-    [rows, K / 32 * block bytes] of the part's type, regrouped into the panels."""
+    [rows, row bytes] of the part's type, regrouped into the panels."""
+    if part.qtype == Q4_K:
+        _fill_from_q4_k(part, start, blocks)
+        return
     rows = blocks.shape[0]
     nb = part.d.shape[1]
     raw = np.ascontiguousarray(blocks).reshape(rows, nb, _BLOCK_BYTES[part.qtype])
-    _put_halves(part.d, start, raw[:, :, 0:2].copy().view(np.uint16))
+    _put_scales(part.d, start, raw[:, :, 0:2].copy().view(np.uint16))
     quants = 4 if part.qtype == Q4_1 else 2
     if part.m is not None:
-        _put_halves(part.m, start, raw[:, :, 2:4].copy().view(np.uint16))
+        _put_scales(part.m, start, raw[:, :, 2:4].copy().view(np.uint16))
     q = raw[:, :, quants:]
     if part.qtype == Q8_0:
         q = np.bitwise_xor(q, 0x80)  # int8 q -> q + 128
     _put_quants(part, start, q)
+
+
+def _fill_from_q4_k(part: GGUFPart, start: int, blocks: np.ndarray) -> None:
+    """Q4_K super-blocks (fp16 d and dmin, 8 six-bit scales and mins packed in 12 bytes, 128
+    nibble bytes: 32 bytes per 64 weights, low nibbles the first 32, high the next) as blocks
+    of 32 of Q4_1's form: w = (d sc) q + (-dmin m), both fp32 (exact: an fp16 times a 6-bit
+    integer), each block's nibbles in Q4_1's byte order."""
+    rows = blocks.shape[0]
+    raw = np.ascontiguousarray(blocks).reshape(rows, -1, Q4_K_BYTES)
+    supers = raw.shape[1]
+    d = raw[:, :, 0:2].copy().view(np.float16).astype(np.float32)  # [rows, supers, 1]
+    dmin = raw[:, :, 2:4].copy().view(np.float16).astype(np.float32)
+    packed = raw[:, :, 4:16].astype(np.uint8)  # the 12 scale bytes
+    lo, hi, top = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = np.concatenate([lo & 0x3F, (top & 0x0F) | ((lo >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([hi & 0x3F, (top >> 4) | ((hi >> 2) & 0x30)], axis=-1)
+    scale = (d * sc.astype(np.float32)).reshape(rows, supers * 8)
+    offset = -(dmin * mn.astype(np.float32)).reshape(rows, supers * 8)
+    nibbles = raw[:, :, 16:].reshape(rows, supers, 4, 1, 32)
+    q = (nibbles >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)) & 0x0F
+    q = q.reshape(rows, supers * 8, 32)  # each block of 32's values 0..15, in order
+    _put_scales(part.d, start, scale)
+    _put_scales(part.m, start, offset)
+    _put_quants(part, start, (q[:, :, :16] | (q[:, :, 16:] << 4)).astype(np.uint8))
 
 
 def fill_from_float(part: GGUFPart, start: int, weight: torch.Tensor) -> None:
@@ -163,7 +197,7 @@ def fill_from_float(part: GGUFPart, start: int, weight: torch.Tensor) -> None:
     inv = torch.where(d.float() > 0, 1.0 / d.float(), torch.zeros_like(d, dtype=torch.float32))
     q = torch.round(w * inv[..., None]).clamp_(-127, 127).to(torch.int16) + 128
     _put_quants(part, start, q.to(torch.uint8).numpy())
-    _put_halves(part.d, start, d.numpy().view(np.uint16))
+    _put_scales(part.d, start, d.numpy().view(np.uint16))
 
 
 def gguf_linear(x: torch.Tensor, weight: GGUFWeight, bias: torch.Tensor | None) -> torch.Tensor:
