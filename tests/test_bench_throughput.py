@@ -39,6 +39,8 @@ def test_bench_throughput_runs_both_systems_repeatedly_and_reports_the_ratio(
     throughput.add_arguments(parser)
     args = parser.parse_args(["--num-prompts", "3", "--input-len", "8", "--output-len", "4",
                               "--repeats", "2", "--baseline", "hf", "--max-model-len", "64",
+                              # not the 2 GiB default: its zero-fill alone takes ~14 s here
+                              "--kv-cache-space-gib", "0.1",
                               "--workloads", "fixed", "mixed", "--input-len-range", "2", "12",
                               "--output-json", str(out)])
     assert throughput.run(args) == 0
