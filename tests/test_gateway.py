@@ -2,7 +2,8 @@
 processes), through the official `openai` client, sync and async.
 
 One stack serves the module; two more gateways share it: a tight one (1 pending request, 3 s
-request timeout) and one whose stack is absent. Outputs are kept short: this runs on CPUs.
+request timeout) and one whose stack is absent (stopped with SIGTERM by the last test). Outputs
+are kept short: this runs on CPUs.
 """
 import asyncio
 import os
@@ -82,13 +83,14 @@ def stack():
     tight = ExtraGateway(env, root, "1", "--max-pending-requests", "1",
                          "--request-timeout", "3")
     # No engine ever answers this one; its request timeout is long past by the time it is asked.
-    down = ExtraGateway(local_stack_config(down_dir).to_env(), down_dir, "0",
+    # (Its log beside, not in, its run directory: stopped, it must leave that empty.)
+    down = ExtraGateway(local_stack_config(down_dir).to_env(), root, "0",
                         "--request-timeout", "2")
     try:
         stack.start(timeout_s=300)
         tight.wait_listening(120)
         down.wait_listening(120)
-        stack.tight, stack.down = tight, down
+        stack.tight, stack.down, stack.down_dir = tight, down, down_dir
         yield stack
     finally:
         for g in (tight, down):
@@ -448,16 +450,12 @@ def test_metrics_parse_and_counters_move_with_traffic(client, stack):
 
 
 # -- lifecycle ------------------------------------------------------------------------------------
-def test_gateway_stops_cleanly_on_sigterm(tmp_path):
-    run_dir = tempfile.mkdtemp(prefix="pgw-", dir="/tmp")
-    gateway = ExtraGateway(local_stack_config(run_dir).to_env(), str(tmp_path), "0")
-    try:
-        gateway.wait_listening(120)
-        assert probe_health(local_stack_config(run_dir).control_for("gateway", 0)).status == "ok"
-        gateway.popen.send_signal(signal.SIGTERM)
-        assert gateway.popen.wait(15) == 0
-        assert "gateway stopped" in open(gateway.log_path).read()
-        assert os.listdir(run_dir) == []  # its control and return sockets are gone
-    finally:
-        gateway.stop()
-        shutil.rmtree(run_dir, ignore_errors=True)
+def test_gateway_stops_cleanly_on_sigterm(stack):
+    """The gateway whose stack is absent, after its last use (this is the module's last test):
+    no third gateway is started for this."""
+    gateway, run_dir = stack.down, stack.down_dir
+    assert probe_health(local_stack_config(run_dir).control_for("gateway", 0)).status == "ok"
+    gateway.popen.send_signal(signal.SIGTERM)
+    assert gateway.popen.wait(15) == 0
+    assert "gateway stopped" in open(gateway.log_path).read()
+    assert os.listdir(run_dir) == []  # its control and return sockets are gone
