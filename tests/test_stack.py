@@ -164,7 +164,6 @@ def test_each_process_logs_to_its_own_file(stack):
         assert "engine ready" in f.read()
 
 
-
 # -- against the in-process engine ------------------------------------------------------------
 def test_16_concurrent_greedy_requests_match_the_in_process_engine(stack, offline):
     params = SamplingParams(temperature=0, max_tokens=24)
