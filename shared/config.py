@@ -18,6 +18,11 @@ from shared.speculative import (SpeculativeConfig, parse_speculative_config,
                                 resolve_draft_model_config)
 
 
+def _has_triton() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("triton") is not None
+
+
 class ConfigError(ValueError):
     """An invalid configuration value; the message starts with the field's name."""
 
@@ -193,7 +198,8 @@ class EngineArgs:
         "and each row of activations quantized to int8 at every matmul (int8 products, summed "
         "in int32); gguf: a GGUF file's Q8_0 / Q4_0 / Q4_1 blocks kept as they are and "
         "dequantized inside the matmul (other types requantized to Q8_0); auto: gguf for a "
-        "GGUF file, else none; CPU only. Default: weights as loaded (a GGUF file dequantized "
+        "GGUF file, else none; gguf on the CPU only, int8 and w8a8 on the CPU or CUDA (Triton "
+        "kernels). Default: weights as loaded (a GGUF file dequantized "
         "to --dtype)")})
     speculative_config: str | dict | None = field(default=None, metadata={"help": (
         "speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
@@ -259,9 +265,13 @@ class EngineArgs:
             raise ConfigError("quantization", f"must be int8, w8a8, gguf, auto or unset, got "
                                               f"{self.quantization!r}")
         quantization = self._quantization(source)
-        if quantization is not None and device.type != "cpu":
+        if quantization == "gguf" and device.type != "cpu":
             raise ConfigError("quantization", f"{quantization!r} runs on the cpu device "
                                               f"only, not {device}")
+        if quantization in ("int8", "w8a8") and device.type == "cuda" and not _has_triton():
+            # On CUDA the int8 matmuls are Triton kernels (kernels/triton/int8_matmul.py).
+            raise ConfigError("quantization", f"{quantization!r} on {device} needs triton, "
+                                              f"which is not installed")
         max_batched = self.max_num_batched_tokens
         if max_batched is None:
             # Chunked prefill keeps steps short so decodes are not starved by long prompts;

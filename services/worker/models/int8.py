@@ -14,7 +14,11 @@ weight gets SiLU(gate) * up in the kernel's epilogue. Without the C kernels (no 
 PAGODA_CPU_KERNELS=0) q stays in rows and torch multiplies: a dequantized temporary
 (weight-only) or `torch._int_mm` (w8a8), SiLU * up after it. A bias is added in the activation
 dtype.
+On CUDA the same q [out, in] rows and scales stay on the device and kernels/triton/int8_matmul.py
+multiplies them (`triton_int8_linear`; SiLU * up after it, in the model).
 """
+import importlib.util
+
 import torch
 import torch.nn.functional as F
 
@@ -22,6 +26,17 @@ from kernels import cpu as cpu_kernels
 from services.worker.host_memory import host_copy, host_empty
 
 QUANTIZATIONS = ("int8", "w8a8")
+# The PackedWeight kinds of the Triton kernels: q [out, in] int8 rows and scales on the device.
+TRITON_QUANTIZATIONS = ("triton_int8", "triton_w8a8")
+
+# int8 / w8a8 weights for the Triton kernels: None = for CUDA weights when triton is installed;
+# True forces them for any weight (CPU tensors need TRITON_INTERPRET=1: the tests), False never.
+TRITON_INT8: bool | None = None
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def triton_int8_for(weight: torch.Tensor) -> bool:
+    return (weight.is_cuda and _HAS_TRITON) if TRITON_INT8 is None else TRITON_INT8
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,4 +94,18 @@ def int8_linear(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
     if gate_up:
         gate, up = out.chunk(2, dim=-1)
         out = F.silu(gate) * up
+    return out.view(*lead, out.shape[-1])
+
+
+def triton_int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                       bias: torch.Tensor | None, w8a8: bool) -> torch.Tensor:
+    """x [..., in] (q * s[:, None])^T (+ b) in x's dtype by the Triton kernels (w8a8: x
+    quantized per row first)."""
+    from kernels.triton import int8_matmul  # needs triton: imported where it runs
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[-1] > 1 and x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    fn = int8_matmul.w8a8_linear if w8a8 else int8_matmul.int8_linear
+    out = fn(x2, q, scale, bias)
     return out.view(*lead, out.shape[-1])

@@ -30,7 +30,9 @@ from torch import nn
 from kernels import cpu as cpu_kernels
 from services.worker.host_memory import host_copy, host_empty
 from services.worker.models.gguf_weights import GGUFWeight, gguf_linear
-from services.worker.models.int8 import QUANTIZATIONS, int8_linear, quantize_weight
+from services.worker.models.int8 import (QUANTIZATIONS, TRITON_QUANTIZATIONS, int8_linear,
+                                          quantize_rows, quantize_weight, triton_int8_for,
+                                          triton_int8_linear)
 from services.worker.models.plain_rows import in_pieces, max_rows
 
 
@@ -38,7 +40,9 @@ from services.worker.models.plain_rows import in_pieces, max_rows
 class PackedWeight:
     """A weight [out_features, in_features] rearranged for one kernel."""
     kind: str  # "amx": kernels.cpu.amx_linear; "onednn": torch.ops.mkldnn._linear_pointwise;
-    # "int8" / "w8a8": services/worker/models/int8.py (data int8, `scale` fp32 per row)
+    # "int8" / "w8a8": services/worker/models/int8.py (data int8, `scale` fp32 per row);
+    # "triton_int8" / "triton_w8a8": the same on CUDA, data q [out, in] for
+    # kernels/triton/int8_matmul.py
     data: torch.Tensor
     out_features: int
     gate_up: bool = False  # [gate; up] packed so that the matmul returns SiLU(gate) * up
@@ -63,8 +67,13 @@ def pack_weight(weight: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.b
     """The weight [out, in] packed for the fastest kernel that takes it, if its dtype is one of
     `dtypes` and it is on the CPU; None otherwise. `gate_up` asks for the fused SiLU(gate) * up
     where the kernel has it (see `PackedWeight.gate_up` for whether it was given).
-    `quantization="int8"` or `"w8a8"` quantizes a CPU weight of any dtype instead."""
+    `quantization="int8"` or `"w8a8"` quantizes a CPU weight of any dtype instead; a CUDA
+    weight (or any, with int8.TRITON_INT8 forced) becomes int8 rows and scales on its device
+    for the Triton kernels (SiLU * up after the matmul: `gate_up` is not fused there)."""
     out_features = weight.shape[0]
+    if quantization in QUANTIZATIONS and triton_int8_for(weight):
+        q, scale = quantize_rows(weight)
+        return PackedWeight(f"triton_{quantization}", q, out_features, False, scale)
     if quantization in QUANTIZATIONS and weight.device.type == "cpu":
         data, scale, sums, fused = quantize_weight(weight, gate_up, quantization == "w8a8")
         return PackedWeight(quantization, data, out_features, fused, scale, sums)
@@ -97,6 +106,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     # (Quantized: on the plain step's path in a speculative step, models/plain_rows.py.)
     if packed.kind == "gguf":
         return in_pieces(gguf_linear, x, max_rows("gguf", x), packed.gguf, bias)
+    if packed.kind in TRITON_QUANTIZATIONS:
+        return triton_int8_linear(x, packed.data, packed.scale, bias,
+                                  packed.kind == "triton_w8a8")
     if packed.kind in QUANTIZATIONS:
         return in_pieces(int8_linear, x, max_rows("int8", x), packed.data, packed.scale,
                          packed.weight_sums, bias, packed.out_features, weight.shape[1],
