@@ -3,6 +3,10 @@
 # wheels carried in .whl/ (ops/gpu_wheels.sh fetches them), then runs ops/bench/gpu_check/
 # under a time limit, its log kept in $OUT when that is set. Arguments go to the script, e.g.
 #   bash ops/gpu_check.sh --quick --skip-serve
+# --quantization int8 / w8a8 is in its kernels section (the Triton int8 matmuls against the
+# float64 reference, timed at decode and prompt shapes against bf16) and its parity section
+# (the engine quantized against unquantized); only those two:
+#   bash ops/gpu_check.sh --quick --skip-throughput --skip-graphs --skip-serve
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -5,8 +5,10 @@ under $OUT, or ops/results/ when OUT is unset, after every section).
 Sections, in order, each catching its own errors (a failed one is a FAILED row, the rest run):
   env         the GPU, the versions, the copy bandwidth and the bf16 matmul rate   (env.py)
   kernels     the Triton kernels against their torch references, then timed
-              (kernel_checks.py, kernel_timing.py, kernel_inputs.py, sampling_checks.py)
-  parity      the engine's greedy tokens against transformers on random models  (parity.py)
+              (kernel_checks.py, kernel_timing.py, kernel_inputs.py, sampling_checks.py;
+              the int8 / w8a8 matmuls and their decode timing: int8_checks.py)
+  parity      the engine's greedy tokens against transformers on random models  (parity.py;
+              on CUDA also --quantization int8 / w8a8 against unquantized, int8_checks.py)
   throughput  offline throughput at the 1B and 8B shapes against transformers' static
               batching and a roofline                     (throughput.py, roofline.py)
   graphs      (after the 1B throughput) small-batch decode step time, CUDA graphs against

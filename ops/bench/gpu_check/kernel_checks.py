@@ -2,6 +2,7 @@
 device, then timed at realistic shapes (kernel_timing.py)."""
 import contextlib
 
+from .int8_checks import check_int8_matmuls, time_int8_matmuls
 from .kernel_inputs import (kv_write_inputs, norm_inputs, paged_cache, prefill_inputs,
                             rotary_inputs, rotary_table)
 from .kernel_timing import time_decode_attention, time_elementwise, time_prefill_attention
@@ -22,7 +23,8 @@ def section_kernels(run: Run, device) -> list:
                         ("prefill_attention", check_prefill_attention),
                         ("write_kv_cache", check_write_kv_cache),
                         ("rms_norm", check_rms_norm), ("rotary_", check_rotary),
-                        ("top_k_top_p", check_top_k_top_p)):
+                        ("top_k_top_p", check_top_k_top_p),
+                        ("int8_linear / w8a8_linear", check_int8_matmuls)):
         rows.append(guarded_row(run, "kernels", f"{name}: correctness",
                                 lambda check=check: check(run, device, dtype)))
     rows += guarded_rows(run, "kernels", "decode attention: timing",
@@ -33,6 +35,8 @@ def section_kernels(run: Run, device) -> list:
                          lambda: time_elementwise(run, device, dtype, raw))
     rows += guarded_rows(run, "kernels", "top-k / top-p: timing",
                          lambda: time_top_k_top_p(run, device, dtype, raw))
+    rows += guarded_rows(run, "kernels", "int8 / w8a8 matmuls: timing",
+                         lambda: time_int8_matmuls(run, device, dtype, raw))
     return rows
 
 

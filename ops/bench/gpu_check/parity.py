@@ -10,10 +10,16 @@ from .report import Row, Run, log
 
 
 def section_parity(run: Run, device) -> list:
+    from .int8_checks import MODES, int8_engine_case
     run.raw["parity"] = {}
-    return [guarded_row(run, "parity", f"{arch} {dtype}",
+    rows = [guarded_row(run, "parity", f"{arch} {dtype}",
                         lambda arch=arch, dtype=dtype: parity_case(run, device, arch, dtype))
             for arch, dtype in run.plan.parity_cases]
+    if run.plan.int8_engine:  # CUDA: on the CPU the int8 engine is tests/test_int8_weights.py's
+        rows += [guarded_row(run, "parity", f"--quantization {mode}",
+                             lambda mode=mode: int8_engine_case(run, device, mode))
+                 for mode in MODES]
+    return rows
 
 
 def parity_case(run: Run, device, architecture: str, dtype_name: str) -> Row:

@@ -84,6 +84,11 @@ class Plan:
     engine_kwargs: dict = field(default_factory=dict)
     # a section starts only with this many seconds left before the deadline
     min_left_s: dict = field(default_factory=dict)
+    # --quantization int8 / w8a8 (int8_checks.py): kernel check and timing shapes (M, N, K),
+    # and whether the parity section runs the engine with each
+    int8_check_shapes: list = field(default_factory=list)
+    int8_timings: list = field(default_factory=list)
+    int8_engine: bool = False
 
 
 def cuda_plan(quick: bool) -> Plan:
@@ -114,7 +119,13 @@ def cuda_plan(quick: bool) -> Plan:
         serve_output_len=64 if quick else 128,
         graphs_batches=[1, 4, 16], graphs_decode_steps=32 if quick else 64, graphs_input_len=32,
         min_left_s={"kernels": 45, "parity": 45, "throughput 1B": 75, "graphs": 35,
-                    "throughput 8B": 150, "serve": 90})
+                    "throughput 8B": 150, "serve": 90},
+        # Not multiples of the kernels' blocks; then the 8B gate/up and down projections at
+        # decode (1, 64 rows) and one prompt chunk.
+        int8_check_shapes=[(1, 4100, 2056), (17, 1000, 4100), (300, 2048, 8192)],
+        int8_timings=[(1, 28672, 4096), (1, 4096, 14336), (64, 28672, 4096),
+                      (2048, 28672, 4096)],
+        int8_engine=True)
 
 
 def cpu_plan() -> Plan:
@@ -136,7 +147,8 @@ def cpu_plan() -> Plan:
         models=[tiny], serve=False, serve_prompts=4, serve_input_len=8, serve_output_len=4,
         graphs_batches=[2], graphs_decode_steps=2, graphs_input_len=8,
         # The Triton kernels in the engine too (interpreted), so the smoke run reaches them.
-        engine_kwargs=dict(attention_backend="triton"))
+        engine_kwargs=dict(attention_backend="triton"),
+        int8_check_shapes=[(3, 40, 70)], int8_timings=[(1, 64, 128)])
 
 
 def serve_model(plan: Plan) -> ModelSpec:
