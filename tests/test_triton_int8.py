@@ -63,7 +63,8 @@ def check_close(got: torch.Tensor, ref: torch.Tensor, abs_terms: torch.Tensor, k
     assert excess <= 0, f"error beyond the bound by {excess}"
 
 
-SHAPES = [(40, 70), (130, 200)]  # N, K: neither a multiple of any block (16/64 by 64/128)
+# N, K: neither a multiple of any block; K over several steps of every tile's depth (64-512).
+SHAPES = [(40, 70), (130, 600)]
 
 
 @pytest.mark.parametrize("m", [1, 3, 17])
@@ -106,6 +107,28 @@ def test_w8a8_kernel_is_the_int8_product_of_the_quantized_rows(m, n, k, dtype, b
     got = int8_matmul.w8a8_linear(xd, qd, sd, bd, out=out)
     assert got.data_ptr() == out.data_ptr()
     check_close(got, ref, abs_terms, 0, dtype)
+
+
+@pytest.mark.parametrize("n,block_n", [(70, 32), (130, 64)])
+def test_decode_tiles_of_wide_outputs(n, block_n, monkeypatch):
+    """One row with the 32- and 64-column decode tiles, which need N of thousands (the grid
+    above gets the narrow 16): chosen here for small N by lowering the programs they must
+    give; interpreter only where no GPU is present."""
+    monkeypatch.setattr(int8_matmul, "_DECODE_MIN_PROGRAMS", 3)
+    assert int8_matmul._blocks(1, n, int8_dot=False)[1] == block_n
+    for quantization, fn in (("int8", int8_matmul.int8_linear), ("w8a8", int8_matmul.w8a8_linear)):
+        x, q, s, b = case(1, n, 40, torch.bfloat16, True, seed=n)
+        if quantization == "w8a8":
+            xq, xs = quantize_rows(x)
+            terms = (xq.double() @ q.double().T) * xs.double()[:, None] * s.double()
+            k = 0
+        else:
+            terms = x.double() @ (q.double() * s.double()[:, None]).T
+            k = 40
+        ref = terms + b.double()
+        abs_terms = (x.double().abs() @ (q.double().abs() * s.double()[:, None]).T
+                     + b.double().abs())
+        check_close(fn(*to_device(x, q, s, b)), ref, abs_terms, k, torch.bfloat16)
 
 
 def test_w8a8_row_quantization_rounds_half_to_even_and_clamps():

@@ -31,6 +31,7 @@ import triton.language as tl
 from kernels.triton.norm import round_to
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_DECODE_MIN_PROGRAMS = 256  # see _blocks
 _ROUND_MAGIC = 12582912.0  # 1.5 * 2^23: v + it - it rounds v (|v| < 2^22) half to even
 
 
@@ -127,12 +128,16 @@ def _w8a8_kernel(xq_ptr, xs_ptr, q_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, out_s
              round_to(y, out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _blocks(m: int, int8_dot: bool) -> tuple[int, int, int, int]:
+def _blocks(m: int, n: int, int8_dot: bool) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) by the rows: decode streams the weight (a thin M
-    tile, many programs over N); prompts use square tiles. 16 rows and 32 of K are the
-    smallest tl.dot tiles (int8 too)."""
+    tile, and columns per program narrowed until there are at least 256 programs, so that a
+    4096-wide output still spreads over every SM of a large GPU: a guess no GPU has timed
+    yet, ops/bench/gpu_check times it); prompts use square tiles. 16 is the smallest tl.dot
+    tile side."""
     if m <= 16:
-        return 16, 64, 128 if int8_dot else 64, 4
+        bn = next((b for b in (64, 32) if triton.cdiv(n, b) >= _DECODE_MIN_PROGRAMS), 16)
+        # Narrower tiles go deeper in K, so that each step still loads as many weight bytes.
+        return 16, bn, (128 if int8_dot else 64) * (64 // bn), 4
     if m <= 64:
         return 64, 64, 64, 4
     return 128, 128, 64, 8
@@ -178,7 +183,7 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
         return out
     if k == 0:
         return out.copy_(bias.expand(m, n) if bias is not None else out.zero_())
-    bm, bn, bk, warps = _blocks(m, int8_dot=False)
+    bm, bn, bk, warps = _blocks(m, n, int8_dot=False)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _weight_only_kernel[grid](
         x, q, s, x if bias is None else bias, out, m, n, k, x.stride(0), out.stride(0),
@@ -214,7 +219,7 @@ def w8a8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
     if k == 0:
         return out.copy_(bias.expand(m, n) if bias is not None else out.zero_())
     xq, xs = quantize_rows_int8(x)
-    bm, bn, bk, warps = _blocks(m, int8_dot=True)
+    bm, bn, bk, warps = _blocks(m, n, int8_dot=True)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _w8a8_kernel[grid](
         xq, xs, q, s, x if bias is None else bias, out, m, n, k, out.stride(0),
