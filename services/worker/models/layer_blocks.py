@@ -73,8 +73,10 @@ class LayerBlocks:
         between), or no C kernels."""
         attn, mlp = layer.self_attn, layer.mlp
         modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        # The packing first: on a GPU nothing is packed, and the CPU kernels are never built.
-        if attn.group is not None or any(m.packed is None for m in modules):
+        # The packing first: on a GPU nothing is packed for the CPU kernels, which are then
+        # never built.
+        if attn.group is not None or any(m.packed is None or m.packed.data.device.type != "cpu"
+                                         for m in modules):
             return None
         if not cpu_kernels.layer_blocks_available():
             return None
@@ -142,8 +144,8 @@ class DecodeStep:
 
     def runs(self, x: torch.Tensor, kv_caches, meta: AttentionMetadata) -> bool:
         """Whether this step is one `__call__` can run."""
-        if (kv_caches is None or meta.num_prefills or meta.num_decode_tokens != x.shape[0]
-                or not self.blocks[0].runs(x)):
+        if (kv_caches is None or meta.num_prefills or not x.shape[0]
+                or meta.num_decode_tokens != x.shape[0] or not self.blocks[0].runs(x)):
             return False
         attn = self.model.layers[0].self_attn
         k_cache = kv_caches[0][0]
