@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kernels import cpu as cpu_kernels
+from kernels.reference import cache_row_width
 from services.worker.attention.base import get_attn_backend
 from services.worker.models.gguf_weights import GGUFWeight, allocate_part, fill_from_blocks
 from services.worker.models.layer_blocks import LayerBlocks
@@ -58,16 +59,21 @@ def tiny_model(kind: str, dtype: torch.dtype, bias: bool = False) -> LlamaForCau
     return model
 
 
-def run_steps(model: LlamaForCausalLM, mode: str, prompts: list[list[int]], steps: int):
+def run_steps(model: LlamaForCausalLM, mode: str, prompts: list[list[int]], steps: int,
+              cache_dtype: torch.dtype | None = None):
     """Prefills the prompts together, then `steps` decode steps of them all, the last one beside
     a new prompt's prefill (a mixed step) -> logits per step. mode: "step" (decode steps as one
-    call), "blocks" (two calls a layer), "modules"."""
+    call), "blocks" (two calls a layer), "modules". The KV cache in the model's dtype, or in
+    `cache_dtype` (an 8-bit format)."""
     c = model.config
     m = model.model
     m.use_blocks, m.use_decode_step = mode != "modules", mode == "step"
     planner = PagedBatchPlanner(64, 16, seed=3)
-    caches = new_kv_caches(c.num_hidden_layers, 64, 16, c.num_key_value_heads,
-                           c.hidden_size // c.num_attention_heads, model.dtype)
+    head_dim = c.hidden_size // c.num_attention_heads
+    cache_dtype = cache_dtype or model.dtype
+    shape = (64, 16, c.num_key_value_heads, cache_row_width(cache_dtype, head_dim))
+    caches = [(torch.zeros(shape, dtype=cache_dtype), torch.zeros(shape, dtype=cache_dtype))
+              for _ in range(c.num_hidden_layers)]
     seqs = [PagedSequence(list(p)) for p in prompts]
     step = planner.plan_step([(s, len(s.token_ids)) for s in seqs], [])
     ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
@@ -110,6 +116,22 @@ def test_a_decode_step_in_one_call_blocks_and_modules_give_the_same_logits(kind,
     for mode in ("blocks", "modules"):
         assert all(torch.equal(a, b) for a, b in zip(logits["step"], logits[mode])), mode
     assert not any(t.isnan().any() for t in logits["step"])
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=["int8", "fp8_e4m3", "fp8_e5m2"])
+def test_a_decode_step_in_one_call_writes_and_reads_an_8_bit_cache_as_the_backend(cache_dtype,
+                                                                                   monkeypatch):
+    model = tiny_model("Q4_0", torch.bfloat16)
+    calls = []
+    decode_layers = cpu_kernels.decode_layers
+    monkeypatch.setattr(cpu_kernels, "decode_layers",
+                        lambda *a: calls.append(a[1].shape[0]) or decode_layers(*a))
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    step, blocks = (run_steps(model, mode, prompts, 3, cache_dtype) for mode in ("step",
+                                                                                 "blocks"))
+    assert calls == [2, 2]
+    assert all(torch.equal(a, b) for a, b in zip(step, blocks))
 
 
 def test_a_model_with_a_matmul_the_blocks_do_not_take_runs_module_by_module():

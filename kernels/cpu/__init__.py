@@ -18,7 +18,7 @@ from kernels.cpu.bind import bound_function as _function
 from kernels.cpu.bind import data_ptr as _ptr
 from kernels.cpu.build import load, unavailable_reason
 from kernels.reference import cache_row_width
-from kernels.cpu.blocks import (BlockLinear, amx_block_linear, attention_input,
+from kernels.cpu.blocks import (Q8_CACHE_CODES, BlockLinear, amx_block_linear, attention_input,
                                 attention_output_mlp, decode_layers, decode_weights,
                                 gguf_block_linear, int8_block_linear, layer_blocks_available,
                                 silu_mul)
@@ -36,7 +36,7 @@ __all__ = [
     "rms_norm", "rotary_", "greedy_sample", "set_amx_matmul", "amx_available", "pack_amx_weight",
     "amx_linear",
     # kernels/cpu/blocks.py: the layer blocks
-    "BlockLinear", "amx_block_linear", "int8_block_linear", "gguf_block_linear",
+    "Q8_CACHE_CODES", "BlockLinear", "amx_block_linear", "int8_block_linear", "gguf_block_linear",
     "layer_blocks_available", "attention_input", "attention_output_mlp", "decode_weights",
     "decode_layers", "silu_mul",
     # kernels/cpu/gguf.py and int8.py
@@ -109,7 +109,7 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
 
 
 # The 8-bit cache dtypes as kernels/cpu/kv_quant.h numbers them.
-_Q8_CODES = {torch.int8: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+_Q8_CODES = Q8_CACHE_CODES  # kv_quant.h's 8-bit formats (kernels/cpu/blocks.py)
 
 
 def _write_kv_cache_q8(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,

@@ -5,8 +5,9 @@
  *   attention input:  [residual += x;] h = RMSNorm(x or residual); qkv = h Wqkv^T; rotate q, k
  *   attention output: o = attn Wo^T; residual += o; h = RMSNorm(residual);
  *                     out = (SiLU(h Wg^T) * (h Wu^T)) Wd^T
- *   decode_layers:    for each layer: attention input; K, V into the cache; paged decode
- *                     attention; attention output; then the final norm
+ *   decode_layers:    for each layer: attention input; K, V into the cache (the activation
+ *                     dtype or 8 bits); paged decode attention; attention output; then the
+ *                     final norm
  *
  * Each step is the kernel it would be on its own (layer_ops.c, the matmul files, kv_cache.c,
  * paged_attention.c); chaining them here only removes the interpreter between them. That
@@ -146,13 +147,15 @@ int attention_output_mlp(const linear_t *o_w, const linear_t *gate_up_w, const l
 typedef struct {
     linear_t qkv, o, gate_up, down;
     const void *norm1, *norm2;     /* [hidden], activation dtype */
-    void *k_cache, *v_cache;       /* [blocks, block_size, kv_heads, head_dim], activation dtype */
+    void *k_cache, *v_cache;       /* [blocks, block_size, kv_heads, row]: activation dtype, or
+                                      an 8-bit format's rows (kv_quant.h) */
 } decode_layer_t;
 
 /* The model's shapes for decode_layers. */
 typedef struct {
     int64_t hidden, inter, heads, kv_heads, head_dim;
     int64_t block_size, num_slots, max_positions;
+    int64_t cache_dtype;  /* -1: the activation dtype; else kv_quant.h's 8-bit format */
     const void *cos_sin;  /* [max_positions, 2, head_dim] */
     float eps, scale;
 } decode_model_t;
@@ -181,17 +184,29 @@ int decode_layers(const decode_layer_t *layers, int64_t num_layers, const decode
                                  (int)md->head_dim, h, qkv, bf16);
         if (rc != 0) return fail + rc;
         const char *k = (const char *)qkv + q_size * esize, *v = k + kv_size * esize;
-        if (kv_cache_write(k, n_qkv * esize, v, n_qkv * esize, layer->k_cache, layer->v_cache,
-                           slots, rows, kv_size * esize, md->num_slots) != 0)
-            return fail - 30;
-        rc = bf16 ? paged_decode_bf16(qkv, n_qkv, layer->k_cache, layer->v_cache, block_tables,
-                                      bt_stride, seq_lens, attn, (int)rows, (int)md->heads,
-                                      (int)md->kv_heads, (int)md->head_dim,
-                                      (int)md->block_size, md->scale)
-                  : paged_decode_f32(qkv, n_qkv, layer->k_cache, layer->v_cache, block_tables,
-                                     bt_stride, seq_lens, attn, (int)rows, (int)md->heads,
-                                     (int)md->kv_heads, (int)md->head_dim, (int)md->block_size,
-                                     md->scale);
+        const int heads = (int)md->heads, kv_heads = (int)md->kv_heads;
+        const int head_dim = (int)md->head_dim, block_size = (int)md->block_size;
+        const int cd = (int)md->cache_dtype;
+        rc = cd < 0 ? kv_cache_write(k, n_qkv * esize, v, n_qkv * esize, layer->k_cache,
+                                     layer->v_cache, slots, rows, kv_size * esize, md->num_slots)
+                    : kv_cache_write_q8(k, n_qkv * esize, v, n_qkv * esize, layer->k_cache,
+                                        layer->v_cache, slots, rows, kv_heads, head_dim, bf16, cd,
+                                        md->num_slots);
+        if (rc != 0) return fail - 30;
+        if (cd >= 0)
+            rc = bf16 ? paged_decode_q8_bf16(qkv, n_qkv, layer->k_cache, layer->v_cache,
+                                             block_tables, bt_stride, seq_lens, attn, (int)rows,
+                                             heads, kv_heads, head_dim, block_size, md->scale, cd)
+                      : paged_decode_q8_f32(qkv, n_qkv, layer->k_cache, layer->v_cache,
+                                            block_tables, bt_stride, seq_lens, attn, (int)rows,
+                                            heads, kv_heads, head_dim, block_size, md->scale, cd);
+        else
+            rc = bf16 ? paged_decode_bf16(qkv, n_qkv, layer->k_cache, layer->v_cache,
+                                          block_tables, bt_stride, seq_lens, attn, (int)rows,
+                                          heads, kv_heads, head_dim, block_size, md->scale)
+                      : paged_decode_f32(qkv, n_qkv, layer->k_cache, layer->v_cache,
+                                         block_tables, bt_stride, seq_lens, attn, (int)rows,
+                                         heads, kv_heads, head_dim, block_size, md->scale);
         if (rc != 0) return fail - 31;
         rc = attention_output_mlp(&layer->o, &layer->gate_up, &layer->down, attn, q_size, x,
                                   layer->norm2, md->eps, rows, md->hidden, md->inter, h, gu, act,

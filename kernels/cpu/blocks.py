@@ -16,10 +16,13 @@ from kernels.cpu.bind import DTYPE_SUFFIX
 from kernels.cpu.build import load, unavailable_reason
 from kernels.cpu.gguf import _check_blocks
 from kernels.cpu.int8 import _int8_dims
+from kernels.reference import cache_row_width
 
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 MAX_PARTS = 4  # blocks.c
 _AMX, _INT8, _W8A8, _GGUF = 1, 2, 3, 4
+# 8-bit KV cache formats by their codes in kernels/cpu/kv_quant.h.
+Q8_CACHE_CODES = {torch.int8: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 
 
 class LinearDesc(ctypes.Structure):
@@ -42,7 +45,8 @@ class DecodeModelDesc(ctypes.Structure):
     """blocks.c's decode_model_t."""
     _fields_ = [("hidden", _I64), ("inter", _I64), ("heads", _I64), ("kv_heads", _I64),
                 ("head_dim", _I64), ("block_size", _I64), ("num_slots", _I64),
-                ("max_positions", _I64), ("cos_sin", _P), ("eps", _F), ("scale", _F)]
+                ("max_positions", _I64), ("cache_dtype", _I64), ("cos_sin", _P), ("eps", _F),
+                ("scale", _F)]
 
 
 @dataclass
@@ -269,11 +273,16 @@ def decode_weights(layers: list[tuple[BlockLinear, BlockLinear, BlockLinear, Blo
                    final_norm: torch.Tensor, eps: float, heads: int, kv_heads: int,
                    head_dim: int, cos_sin: torch.Tensor, scale: float) -> DecodeStepWeights:
     """Per layer (qkv, o, gate_up, down, norm1, norm2, k_cache, v_cache), the caches
-    [blocks, block_size, kv_heads, head_dim] in the activation dtype, checked once here."""
+    [blocks, block_size, kv_heads, row] in the activation dtype or an 8-bit format
+    (kernels/reference.py: cache_row_width), checked once here."""
     first = layers[0]
     dtype, hidden, inter = first[0].dtype, first[1].n, first[3].k
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
     k_cache = first[6]
+    cache_dtype = k_cache.dtype
+    cache_code = -1 if cache_dtype == dtype else Q8_CACHE_CODES.get(cache_dtype)
+    if cache_code is None:
+        raise ValueError(f"decode layers: a {cache_dtype} cache for {dtype} activations")
     for qkv, o, gate_up, down, norm1, norm2, kc, vc in layers:
         if not (qkv.n == q_size + 2 * kv_size and qkv.k == hidden and o.k == q_size
                 and o.n == hidden and gate_up.n == 2 * inter and gate_up.k == hidden
@@ -281,9 +290,9 @@ def decode_weights(layers: list[tuple[BlockLinear, BlockLinear, BlockLinear, Blo
                 and all(w.dtype == dtype for w in (qkv, o, gate_up, down))
                 and bool(gate_up.desc.gate_up) == bool(first[2].desc.gate_up)
                 and all(t.shape == (hidden,) and t.dtype == dtype for t in (norm1, norm2))
-                and all(c.shape == k_cache.shape and c.dtype == dtype and c.is_contiguous()
-                        for c in (kc, vc))
-                and k_cache.shape[2:] == (kv_heads, head_dim)):
+                and all(c.shape == k_cache.shape and c.dtype == cache_dtype
+                        and c.is_contiguous() for c in (kc, vc))
+                and k_cache.shape[2:] == (kv_heads, cache_row_width(cache_dtype, head_dim))):
             raise ValueError("decode layers: the layers' weights, norms and caches do not fit "
                              "one another")
     if not (final_norm.shape == (hidden,) and final_norm.dtype == dtype
@@ -299,8 +308,8 @@ def decode_weights(layers: list[tuple[BlockLinear, BlockLinear, BlockLinear, Blo
     model = DecodeModelDesc(hidden=hidden, inter=inter, heads=heads, kv_heads=kv_heads,
                             head_dim=head_dim, block_size=k_cache.shape[1],
                             num_slots=k_cache.shape[0] * k_cache.shape[1],
-                            max_positions=cos_sin.shape[0], cos_sin=cos_sin.data_ptr(), eps=eps,
-                            scale=scale)
+                            max_positions=cos_sin.shape[0], cache_dtype=cache_code,
+                            cos_sin=cos_sin.data_ptr(), eps=eps, scale=scale)
     return DecodeStepWeights(descs, model, final_norm, dtype, bool(first[2].desc.gate_up),
                              (layers, cos_sin))
 

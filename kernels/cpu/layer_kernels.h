@@ -36,5 +36,19 @@ int paged_decode_bf16(const uint16_t *query, int64_t q_stride, const uint16_t *k
                       int64_t bt_stride, const int64_t *seq_lens, uint16_t *out, int num_seqs,
                       int num_heads, int num_kv_heads, int head_dim, int block_size,
                       float scale);
+int kv_cache_write_q8(const char *key, int64_t key_stride, const char *value,
+                      int64_t value_stride, uint8_t *key_cache, uint8_t *value_cache,
+                      const int64_t *slots, int64_t tokens, int num_kv_heads, int head_dim,
+                      int src_bf16, int cache_dtype, int64_t num_slots);
+int paged_decode_q8_f32(const float *query, int64_t q_stride, const uint8_t *key_cache,
+                        const uint8_t *value_cache, const int64_t *block_tables,
+                        int64_t bt_stride, const int64_t *seq_lens, float *out, int num_seqs,
+                        int num_heads, int num_kv_heads, int head_dim, int block_size,
+                        float scale, int cache_dtype);
+int paged_decode_q8_bf16(const uint16_t *query, int64_t q_stride, const uint8_t *key_cache,
+                         const uint8_t *value_cache, const int64_t *block_tables,
+                         int64_t bt_stride, const int64_t *seq_lens, uint16_t *out,
+                         int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                         int block_size, float scale, int cache_dtype);
 
 #endif

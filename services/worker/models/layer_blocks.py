@@ -133,8 +133,8 @@ def forward_blocks(layer: "LlamaDecoderLayer", blocks: LayerBlocks, positions: t
 class DecodeStep:
     """A whole decode step in one C call (cpu_kernels.decode_layers): every layer's blocks with
     the K/V write and paged decode attention between them, then the final norm. For steps of
-    decodes only (one new token per sequence), with the CPU attention backend on caches in the
-    activation dtype; the weights' descriptors are built once per set of caches."""
+    decodes only (one new token per sequence), with the CPU attention backend, on caches in the
+    activation dtype or 8 bits; the weights' descriptors are built once per set of caches."""
 
     def __init__(self, model: "LlamaModel", blocks: list[LayerBlocks]):
         self.model = model
@@ -149,8 +149,8 @@ class DecodeStep:
             return False
         attn = self.model.layers[0].self_attn
         k_cache = kv_caches[0][0]
-        return (attn.attn_backend.name == "cpu" and k_cache.dtype == x.dtype
-                and k_cache.device.type == "cpu")
+        return (attn.attn_backend.name == "cpu" and k_cache.device.type == "cpu"
+                and (k_cache.dtype == x.dtype or k_cache.dtype in cpu_kernels.Q8_CACHE_CODES))
 
     def _weights_for(self, kv_caches) -> "cpu_kernels.DecodeStepWeights":
         key = tuple(c.data_ptr() for kv in kv_caches for c in kv)
