@@ -196,7 +196,7 @@ class EngineArgs:
         "int8: matmul weights stored as int8 with one scale per output channel and converted "
         "inside the matmul (weight-only; activations stay in --dtype); w8a8: the same weights, "
         "and each row of activations quantized to int8 at every matmul (int8 products, summed "
-        "in int32); gguf: a GGUF file's Q8_0 / Q4_0 / Q4_1 blocks kept as they are and "
+        "in int32); gguf: a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q4_K blocks kept packed and "
         "dequantized inside the matmul (other types requantized to Q8_0); auto: gguf for a "
         "GGUF file, else none; gguf on the CPU only, int8 and w8a8 on the CPU or CUDA (Triton "
         "kernels). Default: weights as loaded (a GGUF file dequantized "

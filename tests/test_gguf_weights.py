@@ -178,21 +178,25 @@ def test_gguf_kernels_refuse_arrays_that_do_not_fit_before_reading_them():
         cpu_kernels.gguf_matmul(x, Q4_1, p.qs.view(torch.int8), p.d, p.m, None, out)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("qtype", TYPES.values(), ids=TYPES.keys())
-def test_gguf_vnni_and_plain_c_agree_to_the_bit(qtype):
-    """The same integer sums and fused multiply-adds in the same order on both paths."""
+def test_gguf_vnni_and_plain_c_agree_to_the_bit(qtype, dtype):
+    """The same integer sums and fused multiply-adds in the same order on both paths, the bias
+    and the output's rounding included (50 rows: the last panel partial)."""
     if not cpu_kernels.gguf_simd_available():
         pytest.skip("the kernels were not built with AVX-512 VNNI on this CPU")
     weight, _ = _weight(qtype, 50, 256, seed=7)
     part = weight.parts[0]
-    x = torch.randn(6, 256)
+    x, bias = torch.randn(6, 256).to(dtype), torch.randn(50).to(dtype)
     outs = []
-    for simd in (True, False):
-        cpu_kernels.set_gguf_simd(simd)
-        out = torch.empty(6, 50)
-        cpu_kernels.gguf_matmul(x, qtype, part.qs, part.d, part.m, None, out)
-        outs.append(out)
-    cpu_kernels.set_gguf_simd(True)
+    try:
+        for simd in (True, False):
+            cpu_kernels.set_gguf_simd(simd)
+            out = torch.empty(6, 50, dtype=dtype)
+            cpu_kernels.gguf_matmul(x, qtype, part.qs, part.d, part.m, bias, out)
+            outs.append(out)
+    finally:
+        cpu_kernels.set_gguf_simd(True)
     assert torch.equal(outs[0], outs[1])
 
 

@@ -15,6 +15,7 @@ from services.worker.models.layer_blocks import LayerBlocks
 from services.worker.models.linear import Linear, PackedWeight, drop_plain_weight
 from services.worker.models.llama import LlamaForCausalLM
 from tests.helpers import PagedBatchPlanner, PagedSequence, new_kv_caches, tiny_llama_config
+from tests.test_gguf_weights import _q4_k_blocks
 
 gguf = pytest.importorskip("gguf")
 
@@ -22,24 +23,29 @@ if cpu_kernels.load() is None:
     pytest.skip(f"cpu kernels unavailable: {cpu_kernels.unavailable_reason()}",
                 allow_module_level=True)
 
-KINDS = ["amx", "int8", "w8a8", "Q8_0", "Q4_0", "Q4_1"]
+KINDS = ["amx", "int8", "w8a8", "Q8_0", "Q4_0", "Q4_1", "Q4_K"]
 CONFIG = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2)
+K_CONFIG = dict(hidden_size=256, intermediate_size=256, num_hidden_layers=2)  # Q4_K: K of 256s
 
 
 def _to_gguf(module: Linear, qtype_name: str) -> None:
     """Replace a loaded module's dense weight by GGUF blocks of it, as a GGUF load packs them."""
     qtype = gguf.GGMLQuantizationType[qtype_name]
-    w = module.weight.detach().float().numpy()
+    w = np.ascontiguousarray(module.weight.detach().float().numpy())
     n, k = w.shape
     part = allocate_part(int(qtype), 0, n, k)
-    fill_from_blocks(part, 0, gguf.quants.quantize(np.ascontiguousarray(w), qtype))
+    # gguf's Python package cannot quantize to Q4_K: random blocks of the weight's magnitude
+    raw = (_q4_k_blocks(w, np.random.default_rng(n + k)) if qtype_name == "Q4_K"
+           else gguf.quants.quantize(w, qtype))
+    fill_from_blocks(part, 0, raw)
     module.packed = PackedWeight("gguf", part.qs, n, gguf=GGUFWeight(k, [part]))
     drop_plain_weight(module)
 
 
 def tiny_model(kind: str, dtype: torch.dtype, bias: bool = False) -> LlamaForCausalLM:
     """A random 2-layer Llama on the CPU attention backend with its matmuls packed as `kind`."""
-    c = tiny_llama_config(**CONFIG, attention_bias=bias, mlp_bias=bias)
+    c = tiny_llama_config(**(K_CONFIG if kind == "Q4_K" else CONFIG), attention_bias=bias,
+                          mlp_bias=bias)
     head_dim = c.hidden_size // c.num_attention_heads
     backend = get_attn_backend("cpu", dtype=dtype, num_heads=c.num_attention_heads,
                                num_kv_heads=c.num_key_value_heads, head_dim=head_dim,

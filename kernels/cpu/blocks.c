@@ -192,7 +192,7 @@ int decode_layers(const decode_layer_t *layers, int64_t num_layers, const decode
                     : kv_cache_write_q8(k, n_qkv * esize, v, n_qkv * esize, layer->k_cache,
                                         layer->v_cache, slots, rows, kv_heads, head_dim, bf16, cd,
                                         md->num_slots);
-        if (rc != 0) return fail - 30;
+        if (rc != 0) return fail - (rc == -2 ? 32 : 30); /* a slot outside, or no such format */
         if (cd >= 0)
             rc = bf16 ? paged_decode_q8_bf16(qkv, n_qkv, layer->k_cache, layer->v_cache,
                                              block_tables, bt_stride, seq_lens, attn, (int)rows,

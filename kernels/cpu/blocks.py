@@ -196,7 +196,8 @@ def attention_input(qkv_w: BlockLinear, x: torch.Tensor, residual: torch.Tensor 
     weight's activation dtype; positions [T] int64."""
     rows, hidden = x.shape
     dtype = qkv_w.dtype
-    if not (qkv_w.k == hidden and norm_weight.shape == (hidden,) and norm_weight.dtype == dtype
+    if not (qkv_w.k == hidden and not qkv_w.desc.gate_up and norm_weight.shape == (hidden,)
+            and norm_weight.dtype == dtype and norm_weight.is_contiguous()
             and positions.dtype == torch.int64 and positions.shape == (rows,)
             and positions.is_contiguous() and cos_sin.dtype == dtype
             and cos_sin.shape[1:] == (2, head_dim) and cos_sin.is_contiguous()
@@ -235,7 +236,9 @@ def attention_output_mlp(o_w: BlockLinear, gate_up_w: BlockLinear, down_w: Block
     dtype = o_w.dtype
     if not (o_w.k == width and gate_up_w.k == hidden and gate_up_w.n == 2 * inter
             and down_w.n == hidden and gate_up_w.dtype == down_w.dtype == dtype
-            and norm_weight.shape == (hidden,) and norm_weight.dtype == dtype):
+            and not o_w.desc.gate_up and not down_w.desc.gate_up
+            and norm_weight.shape == (hidden,) and norm_weight.dtype == dtype
+            and norm_weight.is_contiguous()):
         raise ValueError(f"attention output / MLP: attn {tuple(attn.shape)} and weights "
                          f"o [{o_w.n}, {o_w.k}], gate/up [{gate_up_w.n}, {gate_up_w.k}], down "
                          f"[{down_w.n}, {down_w.k}] ({dtype}) do not fit")
@@ -275,6 +278,8 @@ def decode_weights(layers: list[tuple[BlockLinear, BlockLinear, BlockLinear, Blo
     """Per layer (qkv, o, gate_up, down, norm1, norm2, k_cache, v_cache), the caches
     [blocks, block_size, kv_heads, row] in the activation dtype or an 8-bit format
     (kernels/reference.py: cache_row_width), checked once here."""
+    if not layers:
+        raise ValueError("decode layers: no layers")
     first = layers[0]
     dtype, hidden, inter = first[0].dtype, first[1].n, first[3].k
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
@@ -288,14 +293,17 @@ def decode_weights(layers: list[tuple[BlockLinear, BlockLinear, BlockLinear, Blo
                 and o.n == hidden and gate_up.n == 2 * inter and gate_up.k == hidden
                 and down.n == hidden and down.k == inter
                 and all(w.dtype == dtype for w in (qkv, o, gate_up, down))
+                and not (qkv.desc.gate_up or o.desc.gate_up or down.desc.gate_up)
                 and bool(gate_up.desc.gate_up) == bool(first[2].desc.gate_up)
-                and all(t.shape == (hidden,) and t.dtype == dtype for t in (norm1, norm2))
+                and all(t.shape == (hidden,) and t.dtype == dtype and t.is_contiguous()
+                        for t in (norm1, norm2))
                 and all(c.shape == k_cache.shape and c.dtype == cache_dtype
                         and c.is_contiguous() for c in (kc, vc))
                 and k_cache.shape[2:] == (kv_heads, cache_row_width(cache_dtype, head_dim))):
             raise ValueError("decode layers: the layers' weights, norms and caches do not fit "
                              "one another")
     if not (final_norm.shape == (hidden,) and final_norm.dtype == dtype
+            and final_norm.is_contiguous()
             and cos_sin.dtype == dtype and cos_sin.shape[1:] == (2, head_dim)
             and cos_sin.is_contiguous() and k_cache.shape[1] <= 128 and head_dim <= 256
             and heads % kv_heads == 0 and heads // kv_heads <= 16):
@@ -361,4 +369,6 @@ def decode_layers(weights: DecodeStepWeights, x: torch.Tensor, positions: torch.
                              f"{positions.min().item()}..{positions.max().item()}")
         if error == 30:
             raise IndexError(f"kv cache slots must lie in [0, {md.num_slots})")
+        if error == 32:
+            raise ValueError(f"decode layers: no 8-bit cache format {md.cache_dtype}")
         raise RuntimeError(f"decode layers: layer {layer - 1} failed (error {-error})")

@@ -7,6 +7,7 @@
 
 #include "common.h"
 #include "kv_quant.h"
+#include "layer_kernels.h"
 
 /* key/value: `tokens` rows of row_bytes, row t at key + t * key_stride (bytes); cache slot s
  * at key_cache + s * row_bytes. Returns -1, writing nothing, if a slot is outside

@@ -1,6 +1,6 @@
 /* The kernels blocks.c chains, defined in layer_ops.c, the matmul files, kv_cache.c and
- * paged_attention.c. layer_ops.c, matmul_amx.c and matmul_gguf.c include this header too, so
- * that a changed signature there fails to compile instead of mismatching. */
+ * paged_attention.c, each of which includes this header too, so that a changed signature
+ * there fails to compile instead of mismatching. */
 #ifndef PAGODA_CPU_LAYER_KERNELS_H
 #define PAGODA_CPU_LAYER_KERNELS_H
 

@@ -339,13 +339,13 @@ int gguf_matmul_rows(const void *x, int64_t x_stride, int64_t rows, int64_t k, i
 }
 
 int gguf_matmul_f32(const float *x, int64_t x_stride, int64_t rows, int64_t k, int qtype,
-                    const uint8_t *qs, const uint16_t *wd, const uint16_t *wm, int64_t n,
+                    const uint8_t *qs, const void *wd, const void *wm, int64_t n,
                     const float *bias, float *out, int64_t out_stride) {
     return gguf_matmul_rows(x, x_stride, rows, k, qtype, qs, wd, wm, n, bias, out, out_stride, 0);
 }
 
 int gguf_matmul_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, int64_t k, int qtype,
-                     const uint8_t *qs, const uint16_t *wd, const uint16_t *wm, int64_t n,
+                     const uint8_t *qs, const void *wd, const void *wm, int64_t n,
                      const uint16_t *bias, uint16_t *out, int64_t out_stride) {
     return gguf_matmul_rows(x, x_stride, rows, k, qtype, qs, wd, wm, n, bias, out, out_stride, 1);
 }
@@ -380,12 +380,12 @@ static int gguf_dequantize(int qtype, const uint8_t *qs, const void *wd, const v
     return 0;
 }
 
-int gguf_dequantize_f32(int qtype, const uint8_t *qs, const uint16_t *wd, const uint16_t *wm,
+int gguf_dequantize_f32(int qtype, const uint8_t *qs, const void *wd, const void *wm,
                         int64_t n, int64_t k, const int64_t *ids, int64_t count, float *out) {
     return gguf_dequantize(qtype, qs, wd, wm, n, k, ids, count, out, 0);
 }
 
-int gguf_dequantize_bf16(int qtype, const uint8_t *qs, const uint16_t *wd, const uint16_t *wm,
+int gguf_dequantize_bf16(int qtype, const uint8_t *qs, const void *wd, const void *wm,
                          int64_t n, int64_t k, const int64_t *ids, int64_t count, uint16_t *out) {
     return gguf_dequantize(qtype, qs, wd, wm, n, k, ids, count, out, 1);
 }

@@ -24,6 +24,7 @@
 #include "common.h"
 #include "kv_quant.h"
 #include "paged_attention.h"
+#include "layer_kernels.h"
 
 #define MAX_HEADS 16    /* query heads per work item (so per KV head, at most) */
 #define MAX_HEAD_DIM 256

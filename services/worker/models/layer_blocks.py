@@ -153,7 +153,9 @@ class DecodeStep:
                 and (k_cache.dtype == x.dtype or k_cache.dtype in cpu_kernels.Q8_CACHE_CODES))
 
     def _weights_for(self, kv_caches) -> "cpu_kernels.DecodeStepWeights":
-        key = tuple(c.data_ptr() for kv in kv_caches for c in kv)
+        # The descriptors hold the caches' addresses and sizes: a new cache at a freed address
+        # must not reuse another's.
+        key = tuple((c.data_ptr(), c.shape, c.dtype) for kv in kv_caches for c in kv)
         if key != self._caches_key:
             model = self.model
             layers = []

@@ -153,7 +153,8 @@ class SiluAndMulLinear(Linear):
         if self.packed is not None and self.packed.gate_up:
             return linear(x, self.weight, self.bias, self.packed)
         gate_up = linear(x, self.weight, self.bias, self.packed)
-        if self.packed is not None and self.packed.kind == "gguf" and gate_up.dim() == 2:
+        if (self.packed is not None and self.packed.kind == "gguf" and gate_up.dim() == 2
+                and cpu_kernels.available_for(gate_up)):
             # As the layer blocks compute it (kernels/cpu/blocks.c), so that a GGUF model gives
             # the same numbers either way: its activations are quantized to 8 bits at every
             # matmul, where a last-bit difference can move a value across a rounding step.
