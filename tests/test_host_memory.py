@@ -140,16 +140,22 @@ def test_a_mapping_is_released_with_its_last_tensor():
     from services.worker.host_memory import HugePageArena
     arena = HugePageArena(chunk_bytes=4 << 20)
     big = arena.empty((12 << 20,), torch.uint8)  # a mapping of its own
-    lo, hi = _mapping_of(big.data_ptr())["range"]
+    start = big.data_ptr()
+    end = start + (12 << 20)
+
+    def mapped_whole() -> bool:
+        # The kernel may merge the mapping with a neighbour of the same flags, or split such a
+        # merge again when the neighbour goes: what counts is that the whole range is mapped.
+        entry = _mapping_of(start)
+        return entry is not None and entry["range"][0] <= start and end <= entry["range"][1]
+    assert mapped_whole()
     view = big[100:200]
     del big
     gc.collect()
-    assert _mapping_of(view.data_ptr())["range"] == (lo, hi)  # a view still holds it
-    address = view.data_ptr()
+    assert mapped_whole()  # a view still holds it
     del view
     gc.collect()
-    entry = _mapping_of(address)
-    assert entry is None or entry["range"] != (lo, hi)
+    assert not mapped_whole()
 
 
 def test_weights_and_kv_cache_are_on_huge_pages_unless_switched_off():
