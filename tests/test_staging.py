@@ -29,3 +29,32 @@ def test_views_hold_each_array_and_the_buffer_grows_when_a_step_needs_more():
             assert views[name].dtype == torch.int64
             assert views[name].shape == array.shape
             assert torch.equal(views[name], torch.from_numpy(array.astype(np.int64)))
+
+
+def test_float32_and_bool_arrays_cross_as_themselves_and_other_integers_as_int64():
+    """The sampling parameters ride in the same copy: float32 and bool views over the int64
+    buffer, their bytes padded to whole words, the next array still aligned."""
+    buffer = StagingBuffer(torch.device("cpu"), initial_elements=8)
+    rng = np.random.default_rng(1)
+    for num_rows in (1, 3, 70):
+        arrays = {"temperature": rng.random(num_rows, dtype=np.float32),
+                  "is_greedy": rng.random(num_rows) < 0.5,
+                  "top_k": rng.integers(1, 100, num_rows).astype(np.int32),
+                  "top_p": rng.random(num_rows, dtype=np.float32)}
+        slots, _ = pack_layout({n: a.shape for n, a in arrays.items()},
+                               {n: a.dtype for n, a in arrays.items()})
+        assert all(s.offset % _ALIGN == 0 for s in slots)
+        views = buffer.transfer(arrays)
+        assert views["temperature"].dtype == views["top_p"].dtype == torch.float32
+        assert views["is_greedy"].dtype == torch.bool and views["top_k"].dtype == torch.int64
+        for name, array in arrays.items():
+            assert views[name].tolist() == array.tolist()
+
+
+def test_an_array_of_another_type_is_refused():
+    try:
+        pack_layout({"x": (3,)}, {"x": np.dtype(np.float64)})
+    except TypeError as e:
+        assert "float64" in str(e)
+    else:
+        raise AssertionError("a float64 array was laid out")

@@ -91,7 +91,7 @@ class DraftProposer:
             order = sorted(range(len(batch)), key=lambda j: batch[j].num_tokens == 1)
             batch = [batch[j] for j in order]
             batch_ids = [batch_ids[j] for j in order]  # prefill-shaped rows first (prepare's)
-            input_ids, positions, meta = prepare_inputs(batch, self.block_size, self.staging)
+            input_ids, positions, meta, _ = prepare_inputs(batch, self.block_size, self.staging)
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
             ends, active, offset = [], [], 0
             for b, i in zip(batch, batch_ids):

@@ -8,6 +8,7 @@ again; the engine meanwhile recovers as from any worker's death.
 """
 import argparse
 import signal
+from collections import deque
 import threading
 import time
 
@@ -23,6 +24,7 @@ from shared.placement import placed_cpus, spread_this_thread
 from shared.sockets import ControlServer, connect, make_socket, process_instance_id
 from shared.stack_config import StackConfig
 from services.worker.distributed import GroupBroken
+from services.worker.model_runner import LaunchedStep
 
 log = get_logger("worker")
 
@@ -31,6 +33,9 @@ GROUP_BROKEN_EXIT_CODE = 3
 # resumes waiting, so waits as long as the re-registration period (a quarter of the liveness
 # timeout: 15 s at 60 s) held the stop back past the launcher's grace period.
 _STOP_CHECK_S = 0.5
+# How often the socket is looked at while launched steps run on a GPU (their end is not a
+# socket event): often enough that a step sent meanwhile starts as the running one ends.
+_RUNNING_POLL_S = 2e-4
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,7 +71,11 @@ class WorkerService:
         self.busy_s = 0.0  # forward passes
         self.idle_s = 0.0  # waiting for the next step while steps are flowing
         self.steps = 0
-        self.step_started: float | None = None  # monotonic, while a step runs
+        self.step_started: float | None = None  # monotonic: when the oldest running step began
+        # Steps launched on the device whose outputs are not sent yet, oldest first (on the CPU
+        # a step is done when launched; on a GPU the next one is launched behind it).
+        self.launched: deque[LaunchedStep] = deque()
+        self.launch_times: deque[float] = deque()  # monotonic, one per launched step
         self.control = ControlServer(self.ctx, stack.control_for("worker", rank), "worker",
                                      self._health).start()
         config = engine_args.create_engine_config()
@@ -99,7 +108,8 @@ class WorkerService:
         signal.signal(signal.SIGINT, lambda *_: setattr(self, "_stop", True))
         self._register()
         self._heartbeat.start()
-        last_done = None  # when the previous step's output went out
+        last_done = None  # when the last output went out with no step left running
+        busy_since = 0.0  # when the running steps began (the first launched after none)
         # While nothing comes from the engine the registration is repeated: an engine that
         # restarted (or dropped this worker) learns of it without this process restarting.
         reregister_s = self.stack.liveness_timeout_s / 4
@@ -111,7 +121,19 @@ class WorkerService:
                 self._serve_follower()
                 return
             while not self._stop:
-                if not self.sock.poll(int(min(reregister_s, _STOP_CHECK_S) * 1000)):
+                if self.launched and self.launched[0].done():
+                    self._send_oldest()
+                    if not self.launched:
+                        last_done = time.perf_counter()
+                        self.busy_s += last_done - busy_since
+                    continue
+                if self.launched:
+                    # A step runs on the device: look for the next one often, so that it is
+                    # launched behind the running one and starts the moment that one ends.
+                    if not self.sock.poll(0):
+                        time.sleep(_RUNNING_POLL_S)
+                        continue
+                elif not self.sock.poll(int(min(reregister_s, _STOP_CHECK_S) * 1000)):
                     if time.monotonic() - quiet_since < reregister_s:
                         continue
                     quiet_since = time.monotonic()
@@ -123,16 +145,17 @@ class WorkerService:
                     self._register()
                     continue
                 frame = self.sock.recv()
-                start = time.perf_counter()
-                if last_done is not None:
-                    self.idle_s += start - last_done
-                reply = self._answer(frame)
-                if reply is not None:
-                    self.sock.send(reply)
-                done = time.perf_counter()
-                self.busy_s += done - start
-                last_done = done
+                now = time.perf_counter()
+                if not self.launched:
+                    busy_since = now
+                    if last_done is not None:
+                        self.idle_s += now - last_done
+                self._handle(frame)
+                if not self.launched:
+                    last_done = time.perf_counter()
+                    self.busy_s += last_done - busy_since
                 quiet_since = time.monotonic()
+            self._flush()  # what the device computed still goes out
         finally:
             if group is not None and group.is_leader and self._stop:
                 try:
@@ -184,20 +207,44 @@ class WorkerService:
         finally:
             sock.close(0)
 
-    def _answer(self, frame: bytes) -> bytes | None:
+    def _handle(self, frame: bytes) -> None:
+        """A frame from the engine: a step is launched, behind the steps still running where
+        it may be (Worker.can_launch_ahead), else once their outputs are out; anything else is
+        answered once every launched step's output is out (replies go in order)."""
         try:
             msg = decode(frame, (ExecuteModelRequest, WorkerCall))
         except CodecError as e:
             log.warning("dropped a bad frame", error=str(e), size=len(frame))
-            return encode(ErrorResponse(None, 400, f"worker: bad frame: {e}"))
-        if isinstance(msg, ExecuteModelRequest):
-            self.steps += 1
-            self.step_started = time.monotonic()
-            try:
-                self.worker.relay(msg, frame)
-                return encode(self.worker.execute_model(msg))
-            finally:
-                self.step_started = None
+            self._flush()
+            self.sock.send(encode(ErrorResponse(None, 400, f"worker: bad frame: {e}")))
+            return
+        if not isinstance(msg, ExecuteModelRequest):
+            self._flush()
+            self.sock.send(self._answer_call(msg, frame))
+            return
+        if self.launched and not self.worker.can_launch_ahead(msg):
+            self._flush()
+        self.steps += 1
+        started = time.monotonic()
+        self.worker.relay(msg, frame)
+        self.launched.append(self.worker.launch(msg))
+        self.launch_times.append(started)
+        self.step_started = self.launch_times[0]
+
+    def _send_oldest(self) -> None:
+        """Finish the oldest launched step (waiting for the device) and send its output."""
+        step = self.launched.popleft()
+        self.launch_times.popleft()
+        try:
+            self.sock.send(encode(self.worker.finish(step)))
+        finally:
+            self.step_started = self.launch_times[0] if self.launch_times else None
+
+    def _flush(self) -> None:
+        while self.launched:
+            self._send_oldest()
+
+    def _answer_call(self, msg: WorkerCall, frame: bytes) -> bytes:
         try:
             if msg.method not in ("determine_num_available_blocks", "initialize_cache"):
                 raise ValueError(f"unknown call {msg.method!r}")

@@ -11,10 +11,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from proto.messages import (ExecuteModelRequest, PromptLogprobs, SamplerOutput, SequenceData,
-                            SequenceGroupMetadata)
+from proto.messages import (PLACEHOLDER, ExecuteModelRequest, PromptLogprobs, SamplerOutput,
+                            SequenceData, SequenceGroupMetadata)
 from shared.config import PagodaConfig
-from proto.messages import PLACEHOLDER
 from shared.sampling_params import SamplingParams
 from services.worker.attention import get_attn_backend
 from services.worker.grammar import SequenceMatcher, feed, new_matcher
@@ -26,7 +25,7 @@ from services.worker.profile_pass import profile_forward
 from services.worker.spec_decode import SpecDecoder
 from shared.tensor_parallel import TensorParallelShard, shard_for
 from services.worker.sampler import Sampler, compute_prompt_logprobs
-from services.worker.sampling_metadata import SamplingRow, SamplingTensors
+from services.worker.sampling_metadata import SamplingArrays, SamplingRow, SamplingTensors
 from services.worker.staging import StagingBuffer
 from services.worker.step_inputs import prepare_inputs
 
@@ -57,6 +56,9 @@ class SequenceState:
     # Where the output is in the request's grammar; rebuilt from the output tokens when None.
     matcher: SequenceMatcher | None = None
     num_draft_computed: int = 0  # leading tokens with KV in the draft model's cache
+    # Samples of launched, unfinished steps, by position in token_ids (PLACEHOLDER there):
+    # (the step's sampled-token tensor on the device, this sequence's row in it).
+    pending_tokens: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -163,13 +165,45 @@ class ModelRunner:
     # -- the step ------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, request: ExecuteModelRequest) -> SamplerOutput:
+        return self.finish(self.launch(request))
+
+    def can_launch_ahead(self, request: ExecuteModelRequest) -> bool:
+        """Whether `request` may be launched while earlier steps are unfinished (their samples
+        still on the device). It may when all it needs of those samples is their value as a
+        decode's input, which is gathered on the device (step_inputs.py); not when the host
+        needs them: penalties or logit edits (a grammar) over a sequence whose sample is
+        pending, a sequence re-sent from its tokens or forked from a parent's samples,
+        speculation, or a tensor-parallel group (whose ranks receive the samples from the
+        leader)."""
+        if self.group is not None or self.spec is not None:
+            return False
+        for group in request.seq_group_metadata_list:
+            for sd in group.seq_data:
+                if sd.reset or sd.parent_seq_id >= 0:
+                    return False
+                state = self.seqs.get(sd.seq_id)
+                if state is not None and state.pending_tokens and (
+                        state.request.edits_logits or state.request.params.uses_penalties):
+                    return False
+        return True
+
+    @torch.inference_mode()
+    def launch(self, request: ExecuteModelRequest) -> "LaunchedStep":
+        """Runs the step's forward pass and draws its samples, leaving them on the device (a
+        GPU computes on after this returns): each sampled sequence holds a PLACEHOLDER that the
+        next step's inputs gather from the device, until `finish` reads the values back. A
+        step launched before the previous one is finished must pass `can_launch_ahead`."""
         t0 = time.perf_counter()
         self.apply_deltas(request)
         rows = self._plan_rows(request.seq_group_metadata_list)
-        out = SamplerOutput(step_id=request.step_id)
+        step = LaunchedStep(SamplerOutput(step_id=request.step_id), t0)
         if not rows:
-            return out
-        input_ids, positions, meta = prepare_inputs(rows, self.block_size, self.staging)
+            return step
+        sample_rows = [row for row in rows if row.group.do_sample and not row.proposals]
+        draw = self._plan_draw(sample_rows) if sample_rows else None
+        input_ids, positions, meta, staged = prepare_inputs(
+            rows, self.block_size, self.staging,
+            draw.arrays.arrays if draw is not None and draw.arrays is not None else None)
         forward = self.model if self.decode_graphs is None else self.decode_graphs
         # Quantized matmuls pick their path by rows: with proposals, the path of the step
         # without them (services/worker/models/plain_rows.py).
@@ -179,7 +213,7 @@ class ModelRunner:
 
         # 1) Which hidden rows need logits: the last token of every sequence that samples, and
         #    every position of a prompt chunk whose request asked for prompt logprobs.
-        sample_rows, sample_idx, prompt_lp_rows = [], [], []
+        sample_idx, prompt_lp_rows = [], []
         spec_rows, spec_idx = [], []  # rows that verify proposals: logits at every position
         offset = 0
         for row in rows:
@@ -187,7 +221,6 @@ class ModelRunner:
                 spec_rows.append(row)
                 spec_idx.extend(range(offset, offset + row.num_tokens))
             elif row.group.do_sample:
-                sample_rows.append(row)
                 sample_idx.append(offset + row.num_tokens - 1)
             if row.group.is_prompt and row.state.request.params.prompt_logprobs is not None:
                 prompt_lp_rows.append((row, offset))
@@ -198,21 +231,33 @@ class ModelRunner:
             with plain_step_rows(len(sample_rows) + len(spec_rows) if spec_rows else None):
                 logits = self.model.compute_logits(hidden[sample_idx + spec_idx])
         num_sampled = len(sample_idx)
-        if sample_rows:
-            self._sample(sample_rows, None if logits is None else logits[:num_sampled], out)
+        if draw is not None:
+            self._draw(draw, None if logits is None else logits[:num_sampled], staged)
+            step.draw = draw
+        if request.num_lookahead_slots or spec_rows:
+            # A speculative step is read back at once: its entries follow the sampled ones.
+            self._record(step)
         if request.num_lookahead_slots:
+            out = step.out
             # Entries of the rows that did not speculate: nothing after their token.
             out.extra_token_ids = [[] for _ in out.seq_ids]
             out.extra_logprobs = [[] for _ in out.seq_ids]
             out.num_proposed = [0] * len(out.seq_ids)
         if spec_rows:
-            self.spec.verify(logits[num_sampled:], spec_rows, out)
+            self.spec.verify(logits[num_sampled:], spec_rows, step.out)
         if request.num_lookahead_slots:
             self.spec.drop_lookahead_blocks(rows)
         for row, start in prompt_lp_rows:
-            self._prompt_logprobs(row, hidden[start:start + row.num_tokens], out)
-        out.model_time_s = time.perf_counter() - t0
-        return out
+            self._prompt_logprobs(row, hidden[start:start + row.num_tokens], step.out)
+        return step
+
+    @torch.inference_mode()
+    def finish(self, step: "LaunchedStep") -> SamplerOutput:
+        """The launched step's output, once its samples are back on the host (waits for them);
+        every sequence it sampled then holds its token instead of the PLACEHOLDER."""
+        self._record(step)
+        step.out.model_time_s = time.perf_counter() - step.started
+        return step.out
 
     def _plan_rows(self, groups: list[SequenceGroupMetadata]) -> list[_Row]:
         prefills, verifies, decodes, candidates = [], [], [], []
@@ -233,10 +278,12 @@ class ModelRunner:
                 (verifies if row.proposals else decodes).append(row)
         return prefills + verifies + decodes
 
-    def _sample(self, rows: list[_Row], logits: torch.Tensor | None, out: SamplerOutput) -> None:
-        """logits: [num_rows, vocab], the model's dtype; None on a tensor-parallel follower."""
+    def _plan_draw(self, rows: list[_Row]) -> "_Draw":
+        """What the step samples, before its forward pass: one sampling row per row (n at an
+        n > 1 prompt step) and, where this rank samples, their parameters as arrays that cross
+        to the device with the step's inputs."""
         sampling_rows, owners, logit_index = [], [], []
-        edited = []  # sampling rows whose request edits its logits (usually none)
+        draw = _Draw(owners)
         for i, row in enumerate(rows):
             req = row.state.request
             params = req.params
@@ -246,7 +293,7 @@ class ModelRunner:
             penalties = params.uses_penalties
             for j in range(fan_out):
                 if req.edits_logits:
-                    edited.append(len(sampling_rows))
+                    draw.edited.append(len(sampling_rows))
                 sampling_rows.append(SamplingRow(
                     params=params, seed=req.seed,
                     sample_index=row.state.sample_index + j, output_index=num_out,
@@ -254,19 +301,60 @@ class ModelRunner:
                     output_token_ids=row.state.token_ids[req.prompt_len:] if penalties else []))
                 owners.append(row)
                 logit_index.append(i)
-        if logits is None:  # the leader samples; every rank keeps what it sampled
-            self._keep_samples(owners, self.group.broadcast_ints(None, len(owners)))
+        draw.sampling_rows = sampling_rows
+        draw.logit_index = logit_index if len(logit_index) != len(rows) else None
+        if self.samples:
+            draw.arrays = SamplingArrays.from_rows(sampling_rows, self.model_config.vocab_size)
+        return draw
+
+    def _draw(self, draw: "_Draw", logits: torch.Tensor | None,
+              staged: dict[str, torch.Tensor]) -> None:
+        """Samples the planned rows and starts reading them back; each sequence's next token is
+        a PLACEHOLDER meanwhile. logits: [rows, vocab], the model's dtype; None on a
+        tensor-parallel follower, which receives the leader's samples. `staged`: the plan's
+        arrays on the device."""
+        owners = draw.owners
+        if logits is not None:
+            if draw.logit_index is not None:
+                logits = logits[draw.logit_index]
+            if draw.edited:
+                draw.constrained = self._edit_logits(logits, draw.edited, owners)
+            self._mask_early_stops(logits, draw.sampling_rows, owners)
+            if draw.arrays.vocab_size == logits.shape[-1]:
+                tensors = draw.arrays.to_tensors(staged, logits.device)
+            else:  # a head wider than the vocabulary: the tensors for its width
+                tensors = SamplingTensors.from_rows(draw.sampling_rows, logits.shape[-1],
+                                                    logits.device)
+            result = self.sampler(logits, tensors)
+            draw.token_ids = result.token_ids
+            draw.host, draw.ready = _start_to_host(result)
+        seen = set()
+        for i, row in enumerate(owners):
+            if row.seq.seq_id in seen:
+                continue  # a fan-out's extra samples wait for the children (`_record`)
+            seen.add(row.seq.seq_id)
+            state = row.state
+            draw.positions.append(len(state.token_ids))
+            if draw.token_ids is not None:
+                state.pending_tokens[len(state.token_ids)] = (draw.token_ids, i)
+            state.token_ids.append(PLACEHOLDER)
+
+    def _record(self, step: "LaunchedStep") -> None:
+        """Reads the step's samples back (once) into its output and its sequences' tokens."""
+        draw, step.draw = step.draw, None
+        if draw is None:
             return
-        if len(logit_index) != len(rows):
-            logits = logits[logit_index]
-        constrained = self._edit_logits(logits, edited, owners) if edited else None
-        self._mask_early_stops(logits, sampling_rows, owners)
-        tensors = SamplingTensors.from_rows(sampling_rows, logits.shape[-1], logits.device)
-        result = self.sampler(logits, tensors)
-        token_ids, logprobs, top_ids, top_lps = _to_host(result)
-        if self.group is not None:
-            self.group.broadcast_ints(token_ids, len(owners))
-        self._keep_samples(owners, token_ids)
+        out, owners = step.out, draw.owners
+        if draw.host is None:  # the leader samples; every rank keeps what it sampled
+            token_ids = self.group.broadcast_ints(None, len(owners))
+            logprobs = top_ids = top_lps = None
+        else:
+            token_ids, logprobs, top_ids, top_lps = _finish_to_host(draw.host, draw.ready)
+            if self.group is not None:
+                self.group.broadcast_ints(token_ids, len(owners))
+        self._keep_samples(owners, token_ids, draw.positions)
+        if logprobs is None:
+            return
         for i, row in enumerate(owners):
             seq_id = row.seq.seq_id
             out.seq_ids.append(seq_id)
@@ -279,21 +367,26 @@ class ModelRunner:
             else:
                 out.top_token_ids.append([])
                 out.top_logprobs.append([])
-        if constrained:
-            self.grammar_masker.advance([owners[i].state.matcher for i in constrained],
-                                        [token_ids[i] for i in constrained])
+        if draw.constrained:
+            self.grammar_masker.advance([owners[i].state.matcher for i in draw.constrained],
+                                        [token_ids[i] for i in draw.constrained])
 
-    def _keep_samples(self, owners: list[_Row], token_ids: list[int]) -> None:
-        """Keep the sampled tokens so the next step needs no round trip through the engine;
-        the extra fan-out samples wait for the children the engine forks."""
-        seen = set()
+    def _keep_samples(self, owners: list[_Row], token_ids: list[int], positions: list[int]
+                      ) -> None:
+        """Put each sequence's sample where its PLACEHOLDER is (`positions`, one per sequence
+        in order), so the next step needs no round trip through the engine; the extra fan-out
+        samples wait for the children the engine forks."""
+        seen = {}
         for row, token_id in zip(owners, token_ids):
             seq_id = row.seq.seq_id
+            state = row.state
             if seq_id not in seen:
-                row.state.token_ids.append(token_id)
-                seen.add(seq_id)
+                position = positions[len(seen)]
+                seen[seq_id] = token_id
+                state.token_ids[position] = token_id
+                state.pending_tokens.pop(position, None)
             else:
-                self.fan_out.setdefault(seq_id, [row.state.token_ids[-1]]).append(token_id)
+                self.fan_out.setdefault(seq_id, [seen[seq_id]]).append(token_id)
 
     def _prepare_logit_edits(self, req: RequestState) -> None:
         """Note what the request does to its logits; start compiling its grammar, if any."""
@@ -397,17 +490,52 @@ class ModelRunner:
         del held
 
 
-def _to_host(result) -> tuple[list, list, list | None, list | None]:
-    """The sampler's token ids, logprobs and top alternatives (None where not asked) as lists.
-    On CUDA they cross into page-locked host memory in non-blocking copies behind one event,
-    which is waited on once, here, where the output is built (a `.tolist()` per tensor would
-    be a blocking copy each)."""
+@dataclass
+class _Draw:
+    """A step's samples between `_draw` and `_record`."""
+    owners: list[_Row]  # one per sample, in order
+    sampling_rows: list[SamplingRow] = field(default_factory=list)  # one per sample
+    logit_index: list[int] | None = None  # each sample's row of logits (None: one per row)
+    edited: list[int] = field(default_factory=list)  # samples whose request edits its logits
+    arrays: SamplingArrays | None = None  # the samples' parameters (where this rank samples)
+    positions: list[int] = field(default_factory=list)  # each sequence's PLACEHOLDER, in order
+    token_ids: torch.Tensor | None = None  # [samples], on the device
+    host: tuple | None = None  # the sampler's tensors on their way to the host
+    ready: object = None  # torch.cuda.Event recorded after the copies (CUDA only)
+    constrained: list[int] = field(default_factory=list)  # samples under a grammar
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward pass and draw are launched (ModelRunner.launch), until `finish`."""
+    out: SamplerOutput
+    started: float  # perf_counter at launch
+    draw: _Draw | None = None
+
+    def done(self) -> bool:
+        """Whether `finish` would return without waiting for the device."""
+        return self.draw is None or self.draw.ready is None or self.draw.ready.query()
+
+
+def _start_to_host(result) -> tuple[tuple, object]:
+    """Starts reading the sampler's token ids, logprobs and top alternatives (None where not
+    asked) back to the host. On CUDA they cross into page-locked host memory in non-blocking
+    copies behind one event (a `.tolist()` per tensor would be a blocking copy each); on the
+    CPU they are there already. -> (host tensors, the event or None)."""
     tensors = (result.token_ids, result.logprobs, result.top_token_ids, result.top_logprobs)
-    if result.token_ids.device.type == "cuda":
-        tensors = tuple(None if t is None else
-                        torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(
-                            t, non_blocking=True) for t in tensors)
-        done = torch.cuda.Event()
-        done.record()
-        done.synchronize()
+    if result.token_ids.device.type != "cuda":
+        return tensors, None
+    tensors = tuple(None if t is None else
+                    torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(
+                        t, non_blocking=True) for t in tensors)
+    ready = torch.cuda.Event()
+    ready.record()
+    return tensors, ready
+
+
+def _finish_to_host(tensors: tuple, ready) -> tuple[list, list, list | None, list | None]:
+    """`_start_to_host`'s tensors as lists, once the event says they have arrived: the one
+    wait on the device in a step."""
+    if ready is not None:
+        ready.synchronize()
     return tuple(None if t is None else t.tolist() for t in tensors)

@@ -1,13 +1,15 @@
 """What the sampler needs for one step: the rows to sample and their parameters as device tensors.
 
 The ModelRunner builds one `SamplingRow` per row of logits that samples in this step, then
-`SamplingTensors.from_rows` turns them into a few [num_rows] tensors once per step. Work a batch
+`SamplingArrays.from_rows` turns them into a few [num_rows] arrays once per step, which cross to
+the device with the step's inputs (or `SamplingTensors.from_rows` in one go). Work a batch
 does not need is left out here (no penalty tensors when no row uses penalties, no top-k tensor when
 no sampled row limits top-k, ...) so the sampler can skip it by testing for `None`.
 """
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from shared.sampling_params import SamplingParams
@@ -62,11 +64,31 @@ class SamplingTensors:
     @classmethod
     def from_rows(cls, rows: list[SamplingRow], vocab_size: int,
                   device: torch.device | str) -> "SamplingTensors":
+        arrays = SamplingArrays.from_rows(rows, vocab_size)
+        return arrays.to_tensors({name: torch.from_numpy(a).to(device, non_blocking=True)
+                                  for name, a in arrays.arrays.items()}, device)
+
+
+@dataclass
+class SamplingArrays:
+    """SamplingTensors' per-row values on the host, as numpy arrays that can cross to the
+    device with the step's other inputs (services/worker/staging.py); the penalties' tensors
+    are made on the device from their rows (`to_tensors`)."""
+    vocab_size: int
+    arrays: dict[str, np.ndarray]  # SamplingTensors' field name -> [N] values
+    all_greedy: bool
+    all_random: bool
+    max_top_k: int
+    max_num_logprobs: int
+    rows: list[SamplingRow]
+
+    @classmethod
+    def from_rows(cls, rows: list[SamplingRow], vocab_size: int) -> "SamplingArrays":
         assert rows, "a step samples at least one row"
         temperature, is_greedy, top_k, top_p, min_p = [], [], [], [], []
         seeds, sample_indices, output_indices = [], [], []
         max_num_logprobs = 0
-        use_top_k = use_top_p = use_min_p = use_penalties = False
+        use_top_k = use_top_p = use_min_p = False
         for row in rows:
             p = row.params
             greedy = p.is_greedy
@@ -82,29 +104,46 @@ class SamplingTensors:
             mp = p.min_p if not greedy else 0.0
             min_p.append(mp)
             use_min_p |= mp > 0.0
-            use_penalties |= p.uses_penalties
             seeds.append(row.seed & _SEED_MASK)
             sample_indices.append(row.sample_index)
             output_indices.append(row.output_index)
             if p.logprobs is not None:
                 max_num_logprobs = max(max_num_logprobs, p.logprobs)
-
+        arrays = {"temperature": np.asarray(temperature, dtype=np.float32),
+                  "is_greedy": np.asarray(is_greedy, dtype=np.bool_),
+                  "seeds": np.asarray(seeds, dtype=np.int64),
+                  "sample_indices": np.asarray(sample_indices, dtype=np.int64),
+                  "output_indices": np.asarray(output_indices, dtype=np.int64)}
+        if use_top_k:
+            arrays["top_k"] = np.asarray(top_k, dtype=np.int64)
+        if use_top_p:
+            arrays["top_p"] = np.asarray(top_p, dtype=np.float32)
+        if use_min_p:
+            arrays["min_p"] = np.asarray(min_p, dtype=np.float32)
         num_greedy = sum(is_greedy)
-        return cls(
-            vocab_size=vocab_size,
-            temperature=_to_device(temperature, torch.float32, device),
-            is_greedy=_to_device(is_greedy, torch.bool, device),
-            all_greedy=num_greedy == len(rows),
-            all_random=num_greedy == 0,
-            top_k=_to_device(top_k, torch.int64, device) if use_top_k else None,
-            max_top_k=max(k for k in top_k if k < vocab_size) if use_top_k else 0,
-            top_p=_to_device(top_p, torch.float32, device) if use_top_p else None,
-            min_p=_to_device(min_p, torch.float32, device) if use_min_p else None,
-            penalties=_penalty_tensors(rows, vocab_size, device) if use_penalties else None,
-            seeds=_to_device(seeds, torch.int64, device),
-            sample_indices=_to_device(sample_indices, torch.int64, device),
-            output_indices=_to_device(output_indices, torch.int64, device),
-            max_num_logprobs=min(max_num_logprobs, vocab_size),
+        return cls(vocab_size=vocab_size, arrays=arrays, all_greedy=num_greedy == len(rows),
+                   all_random=num_greedy == 0,
+                   max_top_k=max(k for k in top_k if k < vocab_size) if use_top_k else 0,
+                   max_num_logprobs=min(max_num_logprobs, vocab_size), rows=rows)
+
+    def to_tensors(self, tensors: dict[str, torch.Tensor], device) -> SamplingTensors:
+        """`tensors`: `arrays` on the device, by the same names."""
+        penalised = any(row.params.uses_penalties for row in self.rows)
+        return SamplingTensors(
+            vocab_size=self.vocab_size,
+            temperature=tensors["temperature"],
+            is_greedy=tensors["is_greedy"],
+            all_greedy=self.all_greedy,
+            all_random=self.all_random,
+            top_k=tensors.get("top_k"),
+            max_top_k=self.max_top_k,
+            top_p=tensors.get("top_p"),
+            min_p=tensors.get("min_p"),
+            penalties=_penalty_tensors(self.rows, self.vocab_size, device) if penalised else None,
+            seeds=tensors["seeds"],
+            sample_indices=tensors["sample_indices"],
+            output_indices=tensors["output_indices"],
+            max_num_logprobs=self.max_num_logprobs,
         )
 
 

@@ -1,17 +1,31 @@
 """One step's model inputs from its rows: token ids, positions and the attention metadata
-(slots, block tables, lengths) of the flat token layout."""
+(slots, block tables, lengths) of the flat token layout.
+
+A decode's token may still be on the device: the step before sampled it and has not been read
+back (ModelRunner.launch runs a step before the previous one is finished). Such a token is
+PLACEHOLDER in the sequence's `token_ids`, and `state.pending_tokens[position]` names the
+sampled-token tensor and row it is in; it is gathered into `input_ids` on the device, in stream
+order after the step that samples it, so the host never waits for it.
+"""
 import numpy as np
 import torch
 
+from proto.messages import PLACEHOLDER
 from services.worker.attention import AttentionMetadata
 from services.worker.staging import StagingBuffer
 
 
-def prepare_inputs(rows, block_size: int, staging: StagingBuffer | None):
+def prepare_inputs(rows, block_size: int, staging: StagingBuffer | None,
+                   extra: dict[str, np.ndarray] | None = None):
     """rows (ModelRunner's: `start`, `num_tokens`, `state.token_ids`, `state.block_table`, in
-    the step's order: prefills first, as ModelRunner._plan_rows puts them) -> (input_ids [T], positions [T], AttentionMetadata). With `staging` (a
-    GPU) the integer arrays cross in one copy; on the CPU they are wrapped without one."""
+    the step's order: prefills first, as ModelRunner._plan_rows puts them) -> (input_ids [T],
+    positions [T], AttentionMetadata, `extra` as tensors by name). `extra`: other arrays of
+    the step (its sampling parameters) to cross with these. With `staging` (a GPU) every array
+    crosses in one copy; on the CPU they are wrapped without one."""
     bs = block_size
+    # Decode tokens still on the device, by the tensor that holds them: (tensor, [index into
+    # this step's input_ids], [row of that tensor]).
+    fills: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
     num_prefills = sum(1 for r in rows if r.num_tokens > 1)
     tokens, positions, slots = [], [], []
     seq_lens, query_lens = [], []
@@ -21,12 +35,21 @@ def prepare_inputs(rows, block_size: int, staging: StagingBuffer | None):
         table = row.state.block_table
         assert (end + bs - 1) // bs <= len(table), f"seq {row.seq.seq_id}: block table too short"
         if row.num_tokens == 1:
-            tokens.append(row.state.token_ids[row.start])
+            token = row.state.token_ids[row.start]
+            if token == PLACEHOLDER:
+                source, index = row.state.pending_tokens[row.start]
+                fill = fills.setdefault(id(source), (source, [], []))
+                fill[1].append(len(tokens))
+                fill[2].append(index)
+            tokens.append(token)
             positions.append(row.start)
             slots.append(table[row.start // bs] * bs + row.start % bs)
         else:
             pos = np.arange(row.start, end)
-            tokens.extend(row.state.token_ids[row.start:end])
+            chunk = row.state.token_ids[row.start:end]
+            # Only a decode follows a step still running (ModelRunner.can_launch_ahead).
+            assert PLACEHOLDER not in chunk, f"seq {row.seq.seq_id}: a chunk with unknown tokens"
+            tokens.extend(chunk)
             positions.append(pos)
             slots.append(np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs)
         seq_lens.append(end)
@@ -46,10 +69,18 @@ def prepare_inputs(rows, block_size: int, staging: StagingBuffer | None):
               "slot_mapping": slots, "query_start_loc": query_start,
               "seq_lens": seq_lens_np, "context_lens": seq_lens_np - np.asarray(query_lens),
               "block_tables": block_tables}
+    for name, array in (extra or {}).items():
+        arrays[f"extra_{name}"] = array
+    for k, (_, into, rows_of) in enumerate(fills.values()):
+        arrays[f"fill_into_{k}"] = np.asarray(into, dtype=np.int64)
+        arrays[f"fill_from_{k}"] = np.asarray(rows_of, dtype=np.int64)
     if staging is not None:
         t = staging.transfer(arrays)  # one copy for all of them
     else:
         t = {name: torch.from_numpy(a) for name, a in arrays.items()}  # no copy at all
+    for k, (source, _, _) in enumerate(fills.values()):
+        t["input_ids"].index_copy_(0, t[f"fill_into_{k}"],
+                                   source.index_select(0, t[f"fill_from_{k}"]).long())
     meta = AttentionMetadata(
         num_prefills=num_prefills,
         num_prefill_tokens=num_prefill_tokens,
@@ -65,4 +96,5 @@ def prepare_inputs(rows, block_size: int, staging: StagingBuffer | None):
         seq_lens_list=seq_lens,
         query_lens_list=query_lens,
     )
-    return t["input_ids"], t["positions"], meta
+    return (t["input_ids"], t["positions"], meta,
+            {name: t[f"extra_{name}"] for name in (extra or {})})

@@ -23,7 +23,7 @@ from services.worker.cuda_graphs import DecodeGraphs, capture_sizes, graphs_appl
 from services.worker.distributed import TensorParallelGroup
 from services.worker.host_memory import keep_freed_memory
 from services.worker.memory_budget import ProfileMemory, num_kv_blocks
-from services.worker.model_runner import ModelRunner
+from services.worker.model_runner import LaunchedStep, ModelRunner
 from shared.tensor_parallel import shard_for
 
 log = structlog.get_logger("worker")
@@ -252,6 +252,23 @@ class Worker:
         self.relay(WorkerCall(-1, "stop", []))
 
     def execute_model(self, request: ExecuteModelRequest) -> SamplerOutput:
+        return self.finish(self.launch(request))
+
+    def can_launch_ahead(self, request: ExecuteModelRequest) -> bool:
+        """Whether `request` may be launched before the steps launched so far are finished
+        (ModelRunner.can_launch_ahead); never with block moves, nor under the memory check,
+        which measures one step at a time."""
+        return (not (request.blocks_to_swap_out or request.blocks_to_swap_in
+                     or request.blocks_to_copy or self._checks_memory)
+                and self.model_runner.can_launch_ahead(request))
+
+    @property
+    def _checks_memory(self) -> bool:
+        return (self.debug_memory and self.device.type == "cuda"
+                and self.profile_transient is not None)
+
+    def launch(self, request: ExecuteModelRequest) -> LaunchedStep:
+        """Starts the step (ModelRunner.launch): on a GPU it runs on after this returns."""
         # Block moves first: this step's sequences may read blocks just swapped in or copied.
         if request.blocks_to_swap_out:
             self.cache_engine.swap_out(request.blocks_to_swap_out)
@@ -259,14 +276,18 @@ class Worker:
             self.cache_engine.swap_in(request.blocks_to_swap_in)
         if request.blocks_to_copy:
             self.cache_engine.copy(request.blocks_to_copy)
-        if not (self.debug_memory and self.device.type == "cuda"
-                and self.profile_transient is not None):
-            return self.model_runner.execute_model(request)
+        if not self._checks_memory:
+            return self.model_runner.launch(request)
         start = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        out = self.model_runner.execute_model(request)
+        step = self.model_runner.launch(request)
+        self.model_runner.finish(step)  # the whole step's peak, before the next one starts
         error = step_memory_error(request.step_id, start,
                                   torch.cuda.max_memory_allocated(self.device),
                                   self.profile_transient)
         assert error is None, error
-        return out
+        return step
+
+    def finish(self, step: LaunchedStep) -> SamplerOutput:
+        """The launched step's output, waiting for the device if it is still running."""
+        return self.model_runner.finish(step)

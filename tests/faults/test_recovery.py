@@ -24,7 +24,8 @@ def lose_the_worker(engine) -> None:
     cache of noise, so that reading anything not recomputed changes the output. (Finite noise:
     masked positions are read too, with weight 0.)"""
     executor = engine.executor
-    executor._pending.clear()
+    executor._launched.clear()
+    executor._finished.clear()
     runner = executor.worker.model_runner
     runner.seqs.clear()
     runner.requests.clear()

@@ -4,6 +4,7 @@ from collections import deque
 from proto.messages import ExecuteModelRequest, SamplerOutput
 from shared.config import PagodaConfig
 from services.engine.executor.base import Executor
+from services.worker.model_runner import LaunchedStep
 from services.worker.worker import Worker
 
 
@@ -13,7 +14,8 @@ class UniProcExecutor(Executor):
         self.worker = Worker(config)
         self.worker.init_device()
         self.worker.load_model()
-        self._pending: deque[ExecuteModelRequest] = deque()
+        self._launched: deque[LaunchedStep] = deque()  # in order, behind self._finished
+        self._finished: deque[SamplerOutput] = deque()
 
     def determine_num_available_blocks(self) -> tuple[int, int]:
         return self.worker.determine_num_available_blocks()
@@ -22,8 +24,15 @@ class UniProcExecutor(Executor):
         self.worker.initialize_cache(num_device_blocks, num_cpu_blocks)
 
     def submit(self, request: ExecuteModelRequest) -> None:
-        # One thread: a submitted step runs when collected (nothing to overlap with).
-        self._pending.append(request)
+        # Launched now, ahead of the collection of the step before it where that step's samples
+        # are needed only as inputs (as a worker process launches the steps queued behind a
+        # running one); finished when collected, in order.
+        if self._launched and not self.worker.can_launch_ahead(request):
+            self._finished.extend(self.worker.finish(step) for step in self._launched)
+            self._launched.clear()
+        self._launched.append(self.worker.launch(request))
 
     def collect(self) -> SamplerOutput:
-        return self.worker.execute_model(self._pending.popleft())
+        if self._finished:
+            return self._finished.popleft()
+        return self.worker.finish(self._launched.popleft())
