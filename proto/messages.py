@@ -96,7 +96,9 @@ class SamplerOutput:
     top_token_ids: list[list[int]] = field(default_factory=list)
     top_logprobs: list[list[float]] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
-    model_time_s: float = 0.0  # the forward pass and sampling, measured in the worker
+    # The forward pass and sampling, measured in the worker: its time launching the step and
+    # reading the samples back (on a GPU, the wait for them; not time queued behind a step).
+    model_time_s: float = 0.0
     # Speculative steps only (else empty), per entry: the tokens that follow token_ids[i] in
     # this step (accepted proposals, then the target's own token), their raw logprobs, and how
     # many tokens were proposed (accepted ones = len(extra_token_ids[i]), when any).

@@ -60,6 +60,9 @@ class GrammarMasker:
         self.device = device
         self.num_words = (vocab_size + 31) // 32
         self.bitmask = torch.empty(0, self.num_words, dtype=torch.int32)
+        # On CUDA: recorded after the last copy out of the page-locked bitmask, which the next
+        # step (launched before this one has run) must not refill before the copy has left.
+        self._copied = None
 
     def _buffer(self, num_rows: int) -> torch.Tensor:
         if self.bitmask.shape[0] < num_rows:
@@ -72,6 +75,8 @@ class GrammarMasker:
              stop_token_ids: list[list[int]]) -> None:
         """Mask logits[rows[i]] to what matchers[i] allows (-inf elsewhere). One matcher may be
         listed for several rows (the n samples of a prompt step): each gets its mask."""
+        if self._copied is not None:
+            self._copied.synchronize()
         bitmask = self._buffer(logits.shape[0])
         live, live_rows, copies, first_row = [], [], [], {}
         for row, m, stops in zip(rows, matchers, stop_token_ids):
@@ -94,6 +99,8 @@ class GrammarMasker:
             bitmask[dst] = bitmask[src]
         if self.device.type != "cpu":
             bitmask = bitmask.to(self.device, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
         self.xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1],
                                              indices=rows)
 

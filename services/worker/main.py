@@ -225,11 +225,15 @@ class WorkerService:
         if self.launched and not self.worker.can_launch_ahead(msg):
             self._flush()
         self.steps += 1
-        started = time.monotonic()
-        self.worker.relay(msg, frame)
-        self.launched.append(self.worker.launch(msg))
-        self.launch_times.append(started)
-        self.step_started = self.launch_times[0]
+        self.launch_times.append(time.monotonic())
+        self.step_started = self.launch_times[0]  # the launch itself may be what hangs
+        try:
+            self.worker.relay(msg, frame)
+            self.launched.append(self.worker.launch(msg))
+        except BaseException:
+            self.launch_times.pop()
+            self._flush()  # the steps launched before it were computed: their outputs go out
+            raise
 
     def _send_oldest(self) -> None:
         """Finish the oldest launched step (waiting for the device) and send its output."""

@@ -194,11 +194,18 @@ class ModelRunner:
         next step's inputs gather from the device, until `finish` reads the values back. A
         step launched before the previous one is finished must pass `can_launch_ahead`."""
         t0 = time.perf_counter()
+        step = LaunchedStep(SamplerOutput(step_id=request.step_id))
+        try:
+            self._launch(request, step)
+        finally:
+            step.out.model_time_s += time.perf_counter() - t0
+        return step
+
+    def _launch(self, request: ExecuteModelRequest, step: "LaunchedStep") -> None:
         self.apply_deltas(request)
         rows = self._plan_rows(request.seq_group_metadata_list)
-        step = LaunchedStep(SamplerOutput(step_id=request.step_id), t0)
         if not rows:
-            return step
+            return
         sample_rows = [row for row in rows if row.group.do_sample and not row.proposals]
         draw = self._plan_draw(sample_rows) if sample_rows else None
         input_ids, positions, meta, staged = prepare_inputs(
@@ -249,14 +256,14 @@ class ModelRunner:
             self.spec.drop_lookahead_blocks(rows)
         for row, start in prompt_lp_rows:
             self._prompt_logprobs(row, hidden[start:start + row.num_tokens], step.out)
-        return step
 
     @torch.inference_mode()
     def finish(self, step: "LaunchedStep") -> SamplerOutput:
         """The launched step's output, once its samples are back on the host (waits for them);
         every sequence it sampled then holds its token instead of the PLACEHOLDER."""
+        t0 = time.perf_counter()
         self._record(step)
-        step.out.model_time_s = time.perf_counter() - step.started
+        step.out.model_time_s += time.perf_counter() - t0
         return step.out
 
     def _plan_rows(self, groups: list[SequenceGroupMetadata]) -> list[_Row]:
@@ -385,7 +392,7 @@ class ModelRunner:
                 seen[seq_id] = token_id
                 state.token_ids[position] = token_id
                 state.pending_tokens.pop(position, None)
-            else:
+            elif self.seqs.get(seq_id) is state:  # (not for a parent dropped meanwhile)
                 self.fan_out.setdefault(seq_id, [seen[seq_id]]).append(token_id)
 
     def _prepare_logit_edits(self, req: RequestState) -> None:
@@ -508,8 +515,7 @@ class _Draw:
 @dataclass
 class LaunchedStep:
     """A step whose forward pass and draw are launched (ModelRunner.launch), until `finish`."""
-    out: SamplerOutput
-    started: float  # perf_counter at launch
+    out: SamplerOutput  # its model_time_s: the host's time in launch and finish
     draw: _Draw | None = None
 
     def done(self) -> bool:

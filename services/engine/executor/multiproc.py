@@ -84,7 +84,7 @@ class TensorParallelExecutor(Executor):
         self.worker.relay(WorkerCall(-1, method, args))
 
     def submit(self, request: ExecuteModelRequest) -> None:
-        self._pending.append(request)  # run when collected, as in UniProcExecutor
+        self._pending.append(request)  # run when collected (the group's steps run in lockstep)
 
     def collect(self) -> SamplerOutput:
         request = self._pending.popleft()

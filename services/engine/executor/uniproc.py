@@ -28,8 +28,8 @@ class UniProcExecutor(Executor):
         # are needed only as inputs (as a worker process launches the steps queued behind a
         # running one); finished when collected, in order.
         if self._launched and not self.worker.can_launch_ahead(request):
-            self._finished.extend(self.worker.finish(step) for step in self._launched)
-            self._launched.clear()
+            while self._launched:
+                self._finished.append(self.worker.finish(self._launched.popleft()))
         self._launched.append(self.worker.launch(request))
 
     def collect(self) -> SamplerOutput:
