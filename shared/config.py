@@ -104,6 +104,8 @@ class SchedulerConfig:
     max_model_len: int
     enable_chunked_prefill: bool
     preemption_mode: str  # "recompute" or "swap"
+    # The offline LLM keeps a step in flight, as the engine service always does.
+    async_scheduling: bool = False
 
 
 @dataclass
@@ -181,6 +183,11 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     preemption_mode: str = "recompute"
+    async_scheduling: bool | None = field(default=None, metadata={"help": (
+        "offline LLM: schedule and submit step N+1 while step N runs, as the served engine "
+        "always does, so that a GPU worker launches N+1 behind N and never waits for the "
+        "host (a sequence that ends in step N is computed once more in N+1, its token "
+        "dropped). Default: on for CUDA, off on the CPU, where nothing runs beside the step")})
     tensor_parallel_size: int = 1
     data_parallel_size: int = field(default=1, metadata={"help": (
         "engine replicas, each with its own workers and KV cache, behind the same tokenizers, "
@@ -300,7 +307,9 @@ class EngineArgs:
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_batched,
                 max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
-                preemption_mode=self.preemption_mode),
+                preemption_mode=self.preemption_mode,
+                async_scheduling=(device.type == "cuda" if self.async_scheduling is None
+                                  else self.async_scheduling)),
             parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             device_config=DeviceConfig(device=device, attention_backend=self.attention_backend,
                                        enforce_eager=self.enforce_eager),
@@ -357,7 +366,7 @@ class EngineArgs:
                 continue
             if f.name == "speculative_config" and isinstance(value, dict):
                 continue  # the offline LLM's form; parse_speculative_config checks it
-            if f.type is bool:
+            if _is_bool(f.type):
                 ok, expected = isinstance(value, bool), "true or false"
             elif _cli_type(f.type) is float:
                 ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -447,7 +456,7 @@ class EngineArgs:
             flag = "--" + f.name.replace("_", "-")
             default = f.default
             help_text = f.metadata.get("help")
-            if f.type in (bool, "bool"):
+            if _is_bool(f.type):
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
                                    help=help_text)
             else:
@@ -460,6 +469,10 @@ class EngineArgs:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _is_bool(annotation) -> bool:
+    return annotation is bool or annotation == (bool | None)
 
 
 def _cli_type(annotation):

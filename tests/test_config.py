@@ -69,6 +69,18 @@ def test_each_device_defaults_its_own_budget_and_leaves_the_other_unset(model_fo
     assert budget_of(EngineArgs(model=model_folder, gpu_memory_utilization=0.5)) == ((0.5, None), [])
 
 
+def test_async_scheduling_is_on_for_cuda_and_off_on_the_cpu_unless_asked(model_folder,
+                                                                          monkeypatch):
+    def async_scheduling(**kwargs) -> bool:
+        return EngineArgs(model=model_folder, **kwargs).create_engine_config() \
+            .scheduler_config.async_scheduling
+    assert async_scheduling(device="cpu") is False
+    assert async_scheduling(device="cpu", async_scheduling=True) is True
+    on_cuda.__wrapped__(monkeypatch)  # configuration as on a CUDA host (no GPU here)
+    assert async_scheduling() is True
+    assert async_scheduling(async_scheduling=False) is False
+
+
 def test_the_cpu_budget_is_the_kv_cache_space(model_folder):
     assert budget_of(EngineArgs(model=model_folder, device="cpu")) == ((None, 2.0), [])
     assert budget_of(EngineArgs(model=model_folder, device="cpu",
@@ -149,6 +161,7 @@ INVALID = [
     ("max_num_batched_tokens", dict(max_num_batched_tokens="64")),
     ("max_num_batched_tokens", dict(enable_chunked_prefill=False, max_num_batched_tokens=256)),
     ("preemption_mode", dict(preemption_mode="drop")),
+    ("async_scheduling", dict(async_scheduling="yes")),
     ("tensor_parallel_size", dict(tensor_parallel_size=0)),
     ("tensor_parallel_size", dict(tensor_parallel_size=3)),  # 2 KV heads do not share 3 ways
     ("data_parallel_size", dict(data_parallel_size=0)),
@@ -214,7 +227,7 @@ def test_every_field_round_trips_through_its_flag():
                       gpu_memory_utilization=0.5,
                       kv_cache_space_gib=1.5, swap_space=2.5, num_gpu_blocks_override=100,
                       enable_prefix_caching=False, enable_chunked_prefill=False, max_num_seqs=8,
-                      max_num_batched_tokens=2048, preemption_mode="swap",
+                      max_num_batched_tokens=2048, preemption_mode="swap", async_scheduling=True,
                       tensor_parallel_size=2, data_parallel_size=2, device="cpu",
                       attention_backend="torch",
                       enforce_eager=True, load_format="gguf", quantization="int8",

@@ -154,3 +154,37 @@ def test_a_penalised_or_re_sent_sequence_waits_for_its_pending_sample(llm):
     resent = SimpleNamespace(seq_group_metadata_list=[SimpleNamespace(seq_data=[
         SimpleNamespace(seq_id=-1, reset=True, parent_seq_id=-1)])])
     assert not runner.can_launch_ahead(resent)
+
+
+def test_the_offline_llm_with_async_scheduling_keeps_a_step_in_flight_and_gives_the_same_text(
+        llm):
+    """`--async-scheduling` (on by default for CUDA only): LLM.generate schedules step N+1 while
+    N runs, and the worker launches it ahead; the outputs are the synchronous ones."""
+    prompts = PROMPTS[:4]
+    params = [SamplingParams(temperature=0, max_tokens=10, stop=["\n\n"]),
+              SamplingParams(temperature=0.8, seed=11, max_tokens=8),
+              SamplingParams(n=2, temperature=0.9, seed=2, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)]
+    engine = llm.llm_engine
+    scheduler_config = engine.config.scheduler_config
+    assert scheduler_config.async_scheduling is False  # the CPU's default
+    want = llm.generate(prompts, params, use_tqdm=False)
+    worker = engine.executor.worker
+    launch, ahead = worker.launch, []
+
+    def counting(request):
+        ahead.append(bool(engine.executor._launched))
+        return launch(request)
+
+    worker.launch = counting
+    scheduler_config.async_scheduling = True
+    try:
+        got = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        scheduler_config.async_scheduling = False
+        del worker.launch
+    assert [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in got] == [
+        [(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in want]
+    assert sum(ahead) > 3, ahead
+    assert not engine.has_steps_in_flight() and not engine.has_unfinished_requests()
+

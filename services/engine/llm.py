@@ -98,9 +98,11 @@ class LLM:
         bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True,
                    disable=not use_tqdm)
         out_tokens = 0
+        step = (engine.step_async if engine.config.scheduler_config.async_scheduling
+                else engine.step)
         try:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
+            while engine.has_unfinished_requests() or engine.has_steps_in_flight():
+                for out in step():
                     if out.finished:
                         finished[out.request_id] = out
                         out_tokens += sum(len(c.token_ids) for c in out.outputs)

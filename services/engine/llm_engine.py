@@ -2,6 +2,7 @@
 import itertools
 import random
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import structlog
@@ -79,6 +80,7 @@ class LLMEngine:
         self.detokenizers: dict[int, IncrementalDetokenizer] = {}
         self.last_step_tokens = 0
         self.num_steps = 0
+        self.in_flight: deque[SchedulerOutputs] = deque()  # step_async's submitted steps
         self.total_prompt_tokens = 0
         self.total_generation_tokens = 0
 
@@ -210,6 +212,30 @@ class LLMEngine:
         else:
             groups = self.process_model_outputs(sched, self.executor.execute_model(request))
         return [self.request_output(g) for g in groups]
+
+    def step_async(self) -> list[RequestOutput]:
+        """One turn of a loop that keeps a step in flight, as the engine service's does: the
+        next step is scheduled and submitted while the executor runs the current one, then the
+        oldest is read (`--async-scheduling`). Not behind a speculative step, whose added
+        tokens are known only once it is read. Call it while `has_unfinished_requests()` or
+        `has_steps_in_flight()`."""
+        groups, submitted = [], False
+        if len(self.in_flight) < 2 and not (self.in_flight
+                                            and self.in_flight[-1].num_lookahead_slots):
+            request, sched = self.schedule_step()
+            if request is not None:
+                self.executor.submit(request)
+                self.in_flight.append(sched)
+                submitted = True
+            else:
+                groups += self.process_ignored(sched)
+        if self.in_flight and (len(self.in_flight) == 2 or not submitted):
+            sched = self.in_flight.popleft()
+            groups += self.process_model_outputs(sched, self.executor.collect())
+        return [self.request_output(g) for g in groups]
+
+    def has_steps_in_flight(self) -> bool:
+        return bool(self.in_flight)
 
     def schedule_step(self) -> tuple[ExecuteModelRequest | None, SchedulerOutputs]:
         """Schedule the next step. Its samples become placeholders in the sequences, so the
