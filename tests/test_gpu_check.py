@@ -57,5 +57,9 @@ def test_the_smoke_mode_runs_every_section_on_the_cpu(tmp_path):
     # No graphs on the CPU: both modes run eagerly, so their tokens must be identical.
     assert checks["greedy tokens, graphs vs eager"]["result"].startswith(
         "2 sequences: 2 identical")
+    # Async scheduling against none: the same tokens, and a step time for each.
+    assert checks["greedy tokens, synchronous vs graphs"]["result"].startswith(
+        "2 sequences: 2 identical")
+    assert " ms vs " in checks["decode step at batch 2, async scheduling vs synchronous"]["result"]
     assert (tmp_path / "gpu_check.md").read_text().count("\n| ") == len(rows) + 1
     assert "| throughput | tiny pagoda / transformers" in done.stdout  # the printed table

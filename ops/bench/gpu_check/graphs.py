@@ -1,6 +1,9 @@
 """The graphs section: small-batch decode step time with the CUDA graphs pagoda captures for
 decode steps against eager steps, on the 1B random model (the folder the throughput section
-saved, or one made here), and the greedy tokens of the two modes compared.
+saved, or one made here), and the greedy tokens of the two modes compared. Both run with async
+scheduling (the worker launches step N+1 behind N); a third mode, graphs without it
+(`--no-async-scheduling`: every step waits for the one before to come back), measures what
+that overlap is worth at small batches, where the host's share of a step is largest.
 
 One engine serves both modes: eager is the same engine with its graphs set aside
 (`ModelRunner.decode_graphs = None`, what `--enforce-eager` leaves), which saves a second
@@ -44,8 +47,10 @@ def section_graphs(run: Run, device) -> list:
                  f"{sorted(graphs.graphs) if graphs is not None else 'none'}")
         if on_cuda and graphs is None:
             raise RuntimeError("the worker captured no decode graphs")
-        for mode in ("graphs", "eager"):
-            runner.decode_graphs = graphs if mode == "graphs" else None
+        scheduler_config = llm.llm_engine.config.scheduler_config
+        for mode in ("graphs", "eager", "synchronous"):
+            runner.decode_graphs = None if mode == "eager" else graphs
+            scheduler_config.async_scheduling = mode != "synchronous"
             for b in p.graphs_batches:
                 step_s[mode, b], outputs[mode, b] = decode_step_seconds(run, llm, prompts[b])
                 log(run, f"graphs: {mode} batch {b}: {step_s[mode, b] * 1e3:.2f} ms a step")
@@ -61,7 +66,14 @@ def section_graphs(run: Run, device) -> list:
                         f">= {GRAPHS_TARGET}x" if on_cuda else "",
                         ("ok" if ratio >= GRAPHS_TARGET else "below target") if on_cuda
                         else ""))
-    rows.append(compare_modes(run, outputs))
+    for b in p.graphs_batches:
+        sync_s, async_s = step_s["synchronous", b], step_s["graphs", b]
+        raw[f"async speedup {b}"] = sync_s / async_s
+        rows.append(Row("graphs", f"decode step at batch {b}, async scheduling vs synchronous",
+                        f"{async_s * 1e3:.2f} ms vs {sync_s * 1e3:.2f} ms: "
+                        f"{sync_s / async_s:.2f}x", "", ""))
+    rows.append(compare_modes(run, outputs, "graphs", "eager"))
+    rows.append(compare_modes(run, outputs, "synchronous", "graphs"))
     return rows
 
 
@@ -89,19 +101,20 @@ def decode_step_seconds(run: Run, llm, prompts: list) -> tuple[float, list]:
     return max(total_s - prefill_s, 0.0) / steps, outs
 
 
-def compare_modes(run: Run, outputs: dict) -> Row:
-    """The graphs' greedy tokens against eager's: identical, or a near-tie where they part (the
-    graph's decode attention is split at the longest context, eager's at the step's, so bf16
-    rounding may differ)."""
+def compare_modes(run: Run, outputs: dict, mode: str, against: str) -> Row:
+    """One mode's greedy tokens against another's: identical, or a near-tie where they part
+    (the graph's decode attention is split at the longest context, eager's at the step's, so
+    bf16 rounding may differ)."""
     identical = total = 0
     near_ties, mismatches = [], []
     for b in run.plan.graphs_batches:
-        eager = [(list(o.outputs[0].token_ids),
-                  [sorted(lp, key=lp.get, reverse=True)[:TOP_K] for lp in o.outputs[0].logprobs])
-                 for o in outputs["eager", b]]
-        same, ties, bad = compare_greedy(outputs["graphs", b], eager)
+        reference = [(list(o.outputs[0].token_ids),
+                      [sorted(lp, key=lp.get, reverse=True)[:TOP_K]
+                       for lp in o.outputs[0].logprobs])
+                     for o in outputs[against, b]]
+        same, ties, bad = compare_greedy(outputs[mode, b], reference)
         identical += same
-        total += len(eager)
+        total += len(reference)
         near_ties += [f"batch {b} {line}" for line in ties]
         mismatches += [f"batch {b} {line}" for line in bad]
     for line in near_ties + mismatches:
@@ -110,7 +123,7 @@ def compare_modes(run: Run, outputs: dict) -> Row:
               f"{len(mismatches)} mismatch(es)")
     if mismatches:
         result += f"; first: {mismatches[0]}"
-    log(run, f"graphs: greedy tokens, graphs vs eager: {result}")
-    return Row("graphs", "greedy tokens, graphs vs eager", result,
+    log(run, f"graphs: greedy tokens, {mode} vs {against}: {result}")
+    return Row("graphs", f"greedy tokens, {mode} vs {against}", result,
                "identical, or a near-tie at the first difference",
                "MISMATCH" if mismatches else "ok")
