@@ -232,6 +232,7 @@ class WorkerService:
             self.launched.append(self.worker.launch(msg))
         except BaseException:
             self.launch_times.pop()
+            self.step_started = self.launch_times[0] if self.launch_times else None
             self._flush()  # the steps launched before it were computed: their outputs go out
             raise
 
