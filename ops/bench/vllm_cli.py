@@ -8,6 +8,7 @@ this maps the one name onto the other, then runs vLLM's own entry point. It impo
 pagoda's, so it runs in vLLM's interpreter.
 """
 import importlib.metadata as metadata
+import os
 import sys
 
 _version, _distribution = metadata.version, metadata.distribution
@@ -23,6 +24,10 @@ def _installed_name(name: str) -> str:
 
 
 def main() -> int:
+    # Run as a script, this folder leads sys.path, and its modules would shadow packages vLLM
+    # and transformers probe for (kernels.py for the `kernels` package).
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
     metadata.version = lambda name: _version(_installed_name(name))
     metadata.distribution = lambda name: _distribution(_installed_name(name))
     from vllm.entrypoints.cli.main import main as vllm_main
