@@ -49,6 +49,19 @@ class EngineStats:
     spec_decode: SpecDecodeStats | None = None  # with speculative decoding on
 
 
+def may_submit(in_flight: deque) -> bool:
+    """Whether a loop that keeps a step in flight (the engine service's, `step_async`) may
+    schedule and submit another step: fewer than two submitted, and not behind a speculative
+    step, whose added tokens are known only once it is read."""
+    return len(in_flight) < 2 and not (in_flight and in_flight[-1].num_lookahead_slots)
+
+
+def must_collect(in_flight: deque, submitted: bool) -> bool:
+    """Whether that loop reads its oldest step now: two are in flight, or nothing was
+    submitted this turn."""
+    return bool(in_flight) and (len(in_flight) == 2 or not submitted)
+
+
 class LLMEngine:
     def __init__(self, config: PagodaConfig, executor_class: type[Executor], detokenize: bool = True):
         """`detokenize=False`: the engine service, where tokenizer and detokenizer processes
@@ -216,12 +229,10 @@ class LLMEngine:
     def step_async(self) -> list[RequestOutput]:
         """One turn of a loop that keeps a step in flight, as the engine service's does: the
         next step is scheduled and submitted while the executor runs the current one, then the
-        oldest is read (`--async-scheduling`). Not behind a speculative step, whose added
-        tokens are known only once it is read. Call it while `has_unfinished_requests()` or
+        oldest is read (`--async-scheduling`). Call it while `has_unfinished_requests()` or
         `has_steps_in_flight()`."""
         groups, submitted = [], False
-        if len(self.in_flight) < 2 and not (self.in_flight
-                                            and self.in_flight[-1].num_lookahead_slots):
+        if may_submit(self.in_flight):
             request, sched = self.schedule_step()
             if request is not None:
                 self.executor.submit(request)
@@ -229,7 +240,7 @@ class LLMEngine:
                 submitted = True
             else:
                 groups += self.process_ignored(sched)
-        if self.in_flight and (len(self.in_flight) == 2 or not submitted):
+        if must_collect(self.in_flight, submitted):
             sched = self.in_flight.popleft()
             groups += self.process_model_outputs(sched, self.executor.collect())
         return [self.request_output(g) for g in groups]

@@ -56,7 +56,7 @@ from shared.recent_ids import RecentIds
 from shared.sockets import ControlServer, PushRoutes, bind, make_socket, unlink_ipc
 from shared.stack_config import StackConfig
 from services.engine.executor.zmq_executor import WorkerCallError, WorkerLost, ZmqExecutor
-from services.engine.llm_engine import LLMEngine, NoKVCacheError
+from services.engine.llm_engine import LLMEngine, NoKVCacheError, may_submit, must_collect
 
 log = get_logger("engine")
 
@@ -225,11 +225,9 @@ class EngineService:
             self._reinitialize_workers()
             if not self.executor.ready:
                 return 200
-        # 1) Schedule and submit the next step while the workers run the current one. Not
-        #    behind a speculative step: how many tokens it adds is known only once it is read.
+        # 1) Schedule and submit the next step while the workers run the current one.
         submitted = False
-        if len(self.in_flight) < 2 and not (self.in_flight
-                                            and self.in_flight[-1].num_lookahead_slots):
+        if may_submit(self.in_flight):
             request, sched = self.engine.schedule_step()
             if request is not None:
                 self.executor.submit(request)
@@ -239,7 +237,7 @@ class EngineService:
             elif sched.ignored_seq_groups:
                 self._send_deltas(self.engine.process_ignored(sched), -1)
         # 2) Read the oldest step's output once it is here: tokens, stops, frees, deltas out.
-        if self.in_flight and (len(self.in_flight) == 2 or not submitted):
+        if must_collect(self.in_flight, submitted):
             result = self.executor.take_output()
             if result is None:
                 return 250  # the poll returns as soon as it (or anything else) arrives

@@ -81,6 +81,7 @@ class SamplingArrays:
     max_top_k: int
     max_num_logprobs: int
     rows: list[SamplingRow]
+    penalised: bool  # some row uses penalties: their tensors are made in `to_tensors`
 
     @classmethod
     def from_rows(cls, rows: list[SamplingRow], vocab_size: int) -> "SamplingArrays":
@@ -88,7 +89,7 @@ class SamplingArrays:
         temperature, is_greedy, top_k, top_p, min_p = [], [], [], [], []
         seeds, sample_indices, output_indices = [], [], []
         max_num_logprobs = 0
-        use_top_k = use_top_p = use_min_p = False
+        use_top_k = use_top_p = use_min_p = penalised = False
         for row in rows:
             p = row.params
             greedy = p.is_greedy
@@ -104,6 +105,7 @@ class SamplingArrays:
             mp = p.min_p if not greedy else 0.0
             min_p.append(mp)
             use_min_p |= mp > 0.0
+            penalised |= p.uses_penalties
             seeds.append(row.seed & _SEED_MASK)
             sample_indices.append(row.sample_index)
             output_indices.append(row.output_index)
@@ -124,11 +126,11 @@ class SamplingArrays:
         return cls(vocab_size=vocab_size, arrays=arrays, all_greedy=num_greedy == len(rows),
                    all_random=num_greedy == 0,
                    max_top_k=max(k for k in top_k if k < vocab_size) if use_top_k else 0,
-                   max_num_logprobs=min(max_num_logprobs, vocab_size), rows=rows)
+                   max_num_logprobs=min(max_num_logprobs, vocab_size), rows=rows,
+                   penalised=penalised)
 
     def to_tensors(self, tensors: dict[str, torch.Tensor], device) -> SamplingTensors:
         """`tensors`: `arrays` on the device, by the same names."""
-        penalised = any(row.params.uses_penalties for row in self.rows)
         return SamplingTensors(
             vocab_size=self.vocab_size,
             temperature=tensors["temperature"],
@@ -139,7 +141,8 @@ class SamplingArrays:
             max_top_k=self.max_top_k,
             top_p=tensors.get("top_p"),
             min_p=tensors.get("min_p"),
-            penalties=_penalty_tensors(self.rows, self.vocab_size, device) if penalised else None,
+            penalties=(_penalty_tensors(self.rows, self.vocab_size, device) if self.penalised
+                       else None),
             seeds=tensors["seeds"],
             sample_indices=tensors["sample_indices"],
             output_indices=tensors["output_indices"],
