@@ -52,6 +52,24 @@ static inline __attribute__((always_inline)) void row_bf16(__m512 *dst, const ui
     for (int j = 0; j < nd; j++) dst[j] = load16_bf16(src + j * TILE);
 }
 
+/* Where the rows 16 tokens after tile t0 of a block start (the block at `base`) lie: further on
+ * in the same block, or at the start of the next one (`next`, -1 when the sequence ends first).
+ * Fetching them while the tile computes hides DRAM latency behind a tile's work; a burst of
+ * prefetches for a whole block at once measured slower than none at all (it floods the fill
+ * buffers), and with scattered blocks the hardware prefetcher loses the stream at every block
+ * edge. Returns -1 when there is nothing to fetch. */
+static inline int64_t tile_ahead(int t0, int block_size, int64_t base, int64_t next,
+                                 int64_t token_stride) {
+    return t0 + TILE < block_size ? base + (int64_t)(t0 + TILE) * token_stride : next;
+}
+
+/* Prefetches one cached row of `bytes` (its lines into L1) unless `ahead` says there is none. */
+static inline __attribute__((always_inline)) void fetch_row(const char *row, int64_t ahead,
+                                                            int bytes) {
+    if (ahead < 0) return;
+    for (int c = 0; c < bytes; c += 64) __builtin_prefetch(row + c);
+}
+
 static inline void store16_f32(float *dst, __m512 x) { _mm512_storeu_ps(dst, x); }
 
 static inline void store16_bf16(uint16_t *dst, __m512 x) {
@@ -96,20 +114,12 @@ static void NAME(const T *query, const T *key_cache, const T *value_cache,      
             max_all[kh][g] = -INFINITY;                                                            \
             sum_all[kh][g] = 0.0f;                                                                 \
         }                                                                                          \
-    const int row_lines = (int)((kv_heads * ND * TILE * sizeof(T) + 63) / 64);                     \
+    const int row_bytes = (int)(ND * TILE * sizeof(T));                                            \
     for (int64_t start = 0; start < len; start += block_size) {                                    \
         const int in_block = (int)(len - start < block_size ? len - start : block_size);           \
         const int64_t base = table[start / block_size] * block_stride;                             \
-        if (start + block_size < len) { /* the next block lies elsewhere: fetch it early */        \
-            const int64_t next = table[start / block_size + 1] * block_stride;                     \
-            for (int t = 0; t < block_size; t++)                                                   \
-                for (int c = 0; c < row_lines; c++) {                                              \
-                    __builtin_prefetch((const char *)(key_cache + next + t * token_stride)         \
-                                       + 64 * c);                                                  \
-                    __builtin_prefetch((const char *)(value_cache + next + t * token_stride)       \
-                                       + 64 * c);                                                  \
-                }                                                                                  \
-        }                                                                                          \
+        const int64_t next = start + block_size < len                                              \
+                                 ? table[start / block_size + 1] * block_stride : -1;              \
         for (int kh = 0; kh < kv_heads; kh++) {                                                    \
             __m512 q[G][ND], acc[G][ND];                                                           \
             float run_max[G], run_sum[G];                                                          \
@@ -123,6 +133,7 @@ static void NAME(const T *query, const T *key_cache, const T *value_cache,      
             }                                                                                      \
             for (int t0 = 0; t0 < in_block; t0 += TILE) {                                          \
                 const int n = in_block - t0 < TILE ? in_block - t0 : TILE;                         \
+                const int64_t ahead = tile_ahead(t0, block_size, base, next, token_stride);        \
                 const T *k_rows = key_cache + base + t0 * token_stride + kh * ND * TILE;           \
                 const T *v_rows = value_cache + base + t0 * token_stride + kh * ND * TILE;         \
                 /* Scores: per head a vector of partial products per token, one reduction. */      \
@@ -131,6 +142,8 @@ static void NAME(const T *query, const T *key_cache, const T *value_cache,      
                     if (t < n) {                                                                   \
                         __m512 k[ND];                                                              \
                         ROW(k, k_rows + t * token_stride, ND);                                     \
+                        fetch_row((const char *)(key_cache + ahead + t * token_stride)             \
+                                  + kh * row_bytes, ahead, row_bytes);                             \
                         for (int g = 0; g < G; g++) partial[g][t] = dot16(q[g], k, ND);            \
                     } else {                                                                       \
                         for (int g = 0; g < G; g++) partial[g][t] = _mm512_setzero_ps();           \
@@ -154,6 +167,8 @@ static void NAME(const T *query, const T *key_cache, const T *value_cache,      
                 for (int t = 0; t < n; t++) {                                                      \
                     __m512 v[ND];                                                                  \
                     ROW(v, v_rows + t * token_stride, ND);                                         \
+                    fetch_row((const char *)(value_cache + ahead + t * token_stride)               \
+                              + kh * row_bytes, ahead, row_bytes);                                 \
                     for (int g = 0; g < G; g++) {                                                  \
                         const __m512 p = _mm512_set1_ps(probs[g][t]);                              \
                         for (int j = 0; j < ND; j++)                                               \
@@ -280,18 +295,11 @@ static void NAME(const T *query, const uint8_t *key_cache, const uint8_t *value_
             max_all[kh][g] = -INFINITY;                                                            \
             sum_all[kh][g] = 0.0f;                                                                 \
         }                                                                                          \
-    const int row_lines = (kv_heads * row_bytes + 63) / 64;                                        \
     for (int64_t start = 0; start < len; start += block_size) {                                    \
         const int in_block = (int)(len - start < block_size ? len - start : block_size);           \
         const int64_t base = table[start / block_size] * block_stride;                             \
-        if (start + block_size < len) {                                                            \
-            const int64_t next = table[start / block_size + 1] * block_stride;                     \
-            for (int t = 0; t < block_size; t++)                                                   \
-                for (int c = 0; c < row_lines; c++) {                                              \
-                    __builtin_prefetch(key_cache + next + t * token_stride + 64 * c);              \
-                    __builtin_prefetch(value_cache + next + t * token_stride + 64 * c);            \
-                }                                                                                  \
-        }                                                                                          \
+        const int64_t next = start + block_size < len                                              \
+                                 ? table[start / block_size + 1] * block_stride : -1;              \
         for (int kh = 0; kh < kv_heads; kh++) {                                                    \
             __m512 q[G][ND], acc[G][ND];                                                           \
             float run_max[G], run_sum[G];                                                          \
@@ -305,6 +313,7 @@ static void NAME(const T *query, const uint8_t *key_cache, const uint8_t *value_
             }                                                                                      \
             for (int t0 = 0; t0 < in_block; t0 += TILE) {                                          \
                 const int n = in_block - t0 < TILE ? in_block - t0 : TILE;                         \
+                const int64_t ahead = tile_ahead(t0, block_size, base, next, token_stride);        \
                 const uint8_t *k_rows = key_cache + base + t0 * token_stride + kh * row_bytes;     \
                 const uint8_t *v_rows = value_cache + base + t0 * token_stride + kh * row_bytes;   \
                 __m512 partial[G][TILE];                                                           \
@@ -312,6 +321,8 @@ static void NAME(const T *query, const uint8_t *key_cache, const uint8_t *value_
                     if (t < n) {                                                                   \
                         __m512 k[ND];                                                              \
                         row_q8(k, k_rows + t * token_stride, ND, fmt);                             \
+                        fetch_row((const char *)key_cache + ahead + t * token_stride               \
+                                  + kh * row_bytes, ahead, row_bytes);                             \
                         for (int g = 0; g < G; g++) partial[g][t] = dot16(q[g], k, ND);            \
                     } else {                                                                       \
                         for (int g = 0; g < G; g++) partial[g][t] = _mm512_setzero_ps();           \
@@ -335,6 +346,8 @@ static void NAME(const T *query, const uint8_t *key_cache, const uint8_t *value_
                 for (int t = 0; t < n; t++) {                                                      \
                     __m512 v[ND];                                                                  \
                     row_q8(v, v_rows + t * token_stride, ND, fmt);                                 \
+                    fetch_row((const char *)value_cache + ahead + t * token_stride                 \
+                              + kh * row_bytes, ahead, row_bytes);                                 \
                     for (int g = 0; g < G; g++) {                                                  \
                         const __m512 p = _mm512_set1_ps(probs[g][t]);                              \
                         for (int j = 0; j < ND; j++)                                               \
