@@ -376,16 +376,27 @@ def test_rotary_refuses_positions_outside_its_table(dtype):
 
 # --- packed linear -----------------------------------------------------------------------------
 
-needs_amx = pytest.mark.skipif(not cpu_kernels.amx_available(),
-                               reason="this CPU has no AMX (or the OS does not grant it)")
+needs_bf16_panels = pytest.mark.skipif(not cpu_kernels.bf16_matmul_available(),
+                                       reason="this CPU has no AVX512-BF16")
+
+
+@pytest.fixture(params=["dot", "amx"])
+def bf16_matmul_path(request):
+    """Each loop of the bf16 panel matmul in turn: vdpbf16ps, then AMX tiles (skipped where the
+    CPU lacks them)."""
+    if request.param not in cpu_kernels.bf16_matmul_paths():
+        pytest.skip(f"the bf16 panel matmul's {request.param} loop does not run on this CPU")
+    cpu_kernels.set_bf16_matmul_path(request.param)
+    yield request.param
+    cpu_kernels.set_bf16_matmul_path("amx")
 
 
 @pytest.fixture
 def onednn_only():
-    """bf16 weights packed for oneDNN even where the AMX matmul runs."""
-    cpu_kernels.set_amx_matmul(False)
+    """bf16 weights packed for oneDNN even where the panel matmul runs."""
+    cpu_kernels.set_bf16_matmul(False)
     yield
-    cpu_kernels.set_amx_matmul(True)
+    cpu_kernels.set_bf16_matmul(True)
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -411,20 +422,20 @@ def silu_and_mul(product: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-@needs_amx
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("gate_up", [False, True])
-def test_amx_linear_equals_f_linear(bias, gate_up):
-    """Rows around the kernel's blocks (32 rows a pass, 256 a chunk), x rows at a stride, bias,
-    and the fused SiLU(gate) * up, against F.linear (and torch's SiLU and product) in bf16."""
+def test_bf16_panel_linear_equals_f_linear(bias, gate_up, bf16_matmul_path):
+    """Rows around each loop's blocks (8 or 32 rows a pass, 256 a chunk), x rows at a stride,
+    bias, and the fused SiLU(gate) * up, against F.linear (and torch's SiLU and product) in
+    bf16."""
     g = torch.Generator().manual_seed(5)
     n, k = 192, 96
     weight = (torch.randn(n, k, generator=g) * 0.1).to(torch.bfloat16)
     b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
     packed = pack_weight(weight, gate_up=gate_up)
-    assert packed.kind == "amx" and packed.gate_up == gate_up
+    assert packed.kind == "bf16" and packed.gate_up == gate_up
     assert packed.data.numel() == weight.numel()  # the same size as the weight: one copy
-    for rows in (1, 7, 31, 32, 33, 64, 255, 257, 600):
+    for rows in (1, 7, 8, 9, 31, 32, 33, 64, 255, 257, 600):
         wide = torch.randn(rows, k + 32, generator=g).to(torch.bfloat16)
         for x in (wide[:, :k].contiguous(), wide[:, 16:16 + k]):  # the second at a row stride
             out = linear(x, weight, b, packed)
@@ -438,8 +449,8 @@ def test_amx_linear_equals_f_linear(bias, gate_up):
             assert (out == expected).float().mean() > 0.99
 
 
-@needs_amx
-def test_amx_linear_of_batched_input_keeps_the_leading_dims():
+@needs_bf16_panels
+def test_bf16_panel_linear_of_batched_input_keeps_the_leading_dims():
     g = torch.Generator().manual_seed(6)
     weight = torch.randn(64, 32, generator=g).to(torch.bfloat16)
     packed = pack_weight(weight)
@@ -449,8 +460,7 @@ def test_amx_linear_of_batched_input_keeps_the_leading_dims():
     assert bf16_ulps(out, F.linear(x, weight)).max() <= 1
 
 
-@needs_amx
-def test_amx_silu_and_mul_matches_torch_at_the_extremes():
+def test_bf16_panel_silu_and_mul_matches_torch_at_the_extremes(bf16_matmul_path):
     """Gates far into SiLU's tails (exp overflowing and underflowing) and at zero: identity
     weights make the gate and up halves equal x, so the result is SiLU(x) * x exactly as torch
     rounds it."""
@@ -467,43 +477,43 @@ def test_amx_silu_and_mul_matches_torch_at_the_extremes():
     assert bf16_ulps(out[finite], expected[finite]).max() <= 1
 
 
-@needs_amx
-def test_silu_and_mul_linear_module_with_amx_and_with_onednn():
+@needs_bf16_panels
+def test_silu_and_mul_linear_module_with_bf16_panels_and_with_onednn():
     g = torch.Generator().manual_seed(7)
     x = torch.randn(9, 64, generator=g).to(torch.bfloat16)
     weight = (torch.randn(256, 64, generator=g) * 0.1).to(torch.bfloat16)
     expected = silu_and_mul(F.linear(x, weight))
-    for amx in (True, False):
-        cpu_kernels.set_amx_matmul(amx)
+    for panels in (True, False):
+        cpu_kernels.set_bf16_matmul(panels)
         try:
             layer = SiluAndMulLinear(64, 256, bias=False, dtype=torch.bfloat16)
             layer.weight.data.copy_(weight)
             layer.pack()
         finally:
-            cpu_kernels.set_amx_matmul(True)
-        assert layer.packed.kind == ("amx" if amx else "onednn")
-        assert layer.packed.gate_up == amx  # oneDNN has no fused epilogue: SiLU runs after it
+            cpu_kernels.set_bf16_matmul(True)
+        assert layer.packed.kind == ("bf16" if panels else "onednn")
+        assert layer.packed.gate_up == panels  # oneDNN has no fused epilogue: SiLU runs after it
         assert layer.weight.device.type == "meta"  # the plain copy is dropped either way
         out = layer(x)
         assert out.shape == (9, 128)
         assert bf16_ulps(out, expected).max() <= 2
 
 
-def test_shapes_the_amx_matmul_does_not_take_go_to_onednn():
-    """N or K not a multiple of 32 (and anything on a CPU without AMX) is packed for oneDNN."""
+def test_shapes_the_bf16_panel_matmul_does_not_take_go_to_onednn():
+    """N or K not a multiple of 32 (and anything on a CPU without AVX512-BF16) is packed for oneDNN."""
     g = torch.Generator().manual_seed(8)
     for n, k in ((48, 64), (64, 40)):
         weight = torch.randn(n, k, generator=g).to(torch.bfloat16)
-        assert cpu_kernels.pack_amx_weight(weight) is None
+        assert cpu_kernels.pack_bf16_weight(weight) is None
         packed = pack_weight(weight)
         assert packed.kind == "onednn"
         x = torch.randn(5, k, generator=g).to(torch.bfloat16)
         assert bf16_ulps(linear(x, weight, None, packed), F.linear(x, weight)).max() <= 1
-    assert cpu_kernels.pack_amx_weight(torch.randn(64, 64)) is None  # fp32: not this kernel
+    assert cpu_kernels.pack_bf16_weight(torch.randn(64, 64)) is None  # fp32: not this kernel
 
 
-@needs_amx
-def test_amx_linear_refuses_an_input_that_does_not_fit_the_weight():
+@needs_bf16_panels
+def test_bf16_panel_linear_refuses_an_input_that_does_not_fit_the_weight():
     packed = pack_weight(torch.randn(64, 32).to(torch.bfloat16))
     with pytest.raises(ValueError, match="does not fit"):
         linear(torch.randn(4, 64).to(torch.bfloat16), torch.empty(0), None, packed)
@@ -742,20 +752,20 @@ def test_write_kv_cache_refuses_a_slot_outside_the_cache_and_writes_nothing():
         cpu_kernels.write_kv_cache(k.bfloat16(), k.bfloat16(), *caches, torch.tensor([0, 1, 2]))
 
 
-@needs_amx
+@needs_bf16_panels
 def test_tiny_bf16_llama_runs_its_layers_as_blocks_which_change_no_logit(tmp_path):
     pair = TinyBf16Llama(tmp_path)
     assert pair.on.model.use_blocks and pair.off.model.use_blocks
     g = torch.Generator().manual_seed(9)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 17, 40, 1)]
     tokens, logits_blocks = pair.greedy(pair.on, prompts, 6)
-    pair.on.model.use_blocks = False  # each op through its module, as on CPUs without AMX
+    pair.on.model.use_blocks = False  # each op through its module, as on CPUs without AVX512-BF16
     tokens_layers, logits_layers = pair.greedy(pair.on, prompts, 6)
     assert tokens == tokens_layers
     assert all(torch.equal(a, b) for a, b in zip(logits_blocks, logits_layers))
-    # Weights left to oneDNN (as without AMX): the layers run module by module.
-    cpu_kernels.set_amx_matmul(False)
+    # Weights left to oneDNN (as without AVX512-BF16): the layers run module by module.
+    cpu_kernels.set_bf16_matmul(False)
     try:
         assert not TinyBf16Llama(tmp_path / "onednn").on.model.use_blocks
     finally:
-        cpu_kernels.set_amx_matmul(True)
+        cpu_kernels.set_bf16_matmul(True)

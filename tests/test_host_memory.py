@@ -186,12 +186,12 @@ def test_weights_and_kv_cache_are_on_huge_pages_unless_switched_off():
             for dtype in (torch.bfloat16, torch.float32):
                 layer = Linear(512, 1024, bias=False, dtype=dtype)
                 layer.weight.data.normal_()
-                layer.pack()  # bf16: AMX or oneDNN packing; fp32: a transposed copy
-                # Streamed weights only: AMX-packed bf16 and fp32 ([in, out] copies). oneDNN's
+                layer.pack()  # bf16: panel or oneDNN packing; fp32: a transposed copy
+                # Streamed weights only: panel-packed bf16 and fp32 ([in, out] copies). oneDNN's
                 # packing is opaque, and an unpacked bf16 weight stays as loaded.
                 if dtype == torch.float32:
                     found[str(dtype)] = huge_kb(layer.weight)
-                elif layer.packed is not None and layer.packed.kind == "amx":
+                elif layer.packed is not None and layer.packed.kind == "bf16":
                     found[str(dtype)] = huge_kb(layer.packed.data)
                 else:
                     found[str(dtype)] = None

@@ -1,5 +1,5 @@
 """The C layer blocks (kernels/cpu/blocks.c, services/worker/models/layer_blocks.py): a tiny
-Llama with each kind of packed weight (bf16 AMX, int8, w8a8, GGUF Q8_0 / Q4_0 / Q4_1) and bf16 or
+Llama with each kind of packed weight (bf16 panels, int8, w8a8, GGUF Q8_0 / Q4_0 / Q4_1) and bf16 or
 fp32 activations gives the same logits, to the bit, whether a decode step runs as one C call,
 its layers as two calls each, or module by module; and what does not fit is refused before the
 C code reads it."""
@@ -23,7 +23,7 @@ if cpu_kernels.load() is None:
     pytest.skip(f"cpu kernels unavailable: {cpu_kernels.unavailable_reason()}",
                 allow_module_level=True)
 
-KINDS = ["amx", "int8", "w8a8", "Q8_0", "Q4_0", "Q4_1", "Q4_K"]
+KINDS = ["bf16", "int8", "w8a8", "Q8_0", "Q4_0", "Q4_1", "Q4_K"]
 CONFIG = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2)
 K_CONFIG = dict(hidden_size=256, intermediate_size=256, num_hidden_layers=2)  # Q4_K: K of 256s
 
@@ -61,7 +61,7 @@ def tiny_model(kind: str, dtype: torch.dtype, bias: bool = False) -> LlamaForCau
                 _to_gguf(module, kind)
         model.pack_weights("gguf")
     else:
-        model.pack_weights(None if kind == "amx" else kind)
+        model.pack_weights(None if kind == "bf16" else kind)
     return model
 
 
@@ -96,17 +96,17 @@ def run_steps(model: LlamaForCausalLM, mode: str, prompts: list[list[int]], step
     return logits
 
 
-# AMX tiles hold bf16 weights, for bf16 activations only.
+# bf16 panels hold bf16 weights, for bf16 activations only.
 CASES = [(kind, dtype) for kind in KINDS for dtype in (torch.float32, torch.bfloat16)
-         if kind != "amx" or dtype == torch.bfloat16]
+         if kind != "bf16" or dtype == torch.bfloat16]
 
 
 @pytest.mark.parametrize("kind,dtype", CASES,
                          ids=[f"{k}-{str(d)[6:]}" for k, d in CASES])
 def test_a_decode_step_in_one_call_blocks_and_modules_give_the_same_logits(kind, dtype,
                                                                            monkeypatch):
-    if kind == "amx" and not cpu_kernels.amx_available():
-        pytest.skip("bf16 AMX tiles need a CPU with AMX (granted by the OS)")
+    if kind == "bf16" and not cpu_kernels.bf16_matmul_available():
+        pytest.skip("bf16 panels need a CPU with AVX512-BF16")
     model = tiny_model(kind, dtype, bias=kind in ("int8", "Q4_0"))
     assert model.model.use_blocks and model.model.layer_blocks is not None
     calls = []

@@ -1,4 +1,4 @@
-/* AMX tile set-up shared by the kernels that run on the tiles (matmul_amx.c,
+/* AMX tile set-up shared by the kernels that run on the tiles (matmul_bf16.c,
  * prefill_attention.c). Include only where __AMX_TILE__ is defined. */
 #ifndef PAGODA_AMX_H
 #define PAGODA_AMX_H
@@ -26,6 +26,6 @@ static inline void amx_load_full_tiles(void) {
     _tile_loadconfig(&config);
 }
 
-int matmul_amx_available(void); /* matmul_amx.c: asks Linux for the tile state once */
+int matmul_amx_available(void); /* matmul_bf16.c: asks Linux for the tile state once */
 
 #endif

@@ -96,7 +96,7 @@ static void finish_row_scalar(const float *v, const shape_t *s, int64_t p, const
             }
         return;
     }
-    /* bf16 rounds gate, up and SiLU as the bf16 model (and matmul_amx.c) does. */
+    /* bf16 rounds gate, up and SiLU as the bf16 model (and matmul_bf16.c) does. */
     for (int c = 0; c < real_cols(s, p, 0); c++) {
         float gate = v[c] + (bias ? load_value(bias, first_col(s, p, 0) + c, bf16) : 0);
         float up = v[16 + c] + (bias ? load_value(bias, first_col(s, p, 1) + c, bf16) : 0);
@@ -605,7 +605,7 @@ static int vnni_weight_only(const void *x, int64_t x_stride, int64_t m, const in
 #include "amx.h"
 
 /* While the first pass over a panel streams it in, the second brings the next panel to L2 (as
- * matmul_amx.c does). */
+ * matmul_bf16.c does). */
 static inline void amx_prefetch(const char *b, int64_t pass, int64_t panel_bytes,
                                 int64_t step_bytes) {
     if (pass == 0)

@@ -1,7 +1,7 @@
 """Kernel-level timing of one decode step's matmuls of the default model (SmolLM2-135M: 30
 layers of qkv 576 -> 960, o 576 -> 576, gate/up 576 -> 2 x 1536 with the fused SiLU, down
 1536 -> 576, then the tied head 576 -> 49152), random weights, each matmul's weight read once
-per step: bf16 on AMX (kernels/cpu/matmul_amx.c) against int8 weight-only and w8a8
+per step: bf16 panels (kernels/cpu/matmul_bf16.c) against int8 weight-only and w8a8
 (kernels/cpu/matmul_int8.c), at the given batch rows. Prints each configuration's best and
 median step time and the weight bytes per second at the best.
 
@@ -27,7 +27,7 @@ def _weights() -> list[dict]:
         scale = w.abs().amax(dim=1) / 127
         q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
         out.append(dict(n=n, k=k, gate_up=gate_up,
-                        bf16=cpu_kernels.pack_amx_weight(w.bfloat16(), gate_up),
+                        bf16=cpu_kernels.pack_bf16_weight(w.bfloat16(), gate_up),
                         int8=cpu_kernels.pack_int8_weight(q, gate_up),
                         scale=scale.float().contiguous(),
                         sums=q.sum(dim=1, dtype=torch.int32)))
@@ -42,7 +42,7 @@ def _time_step(weights: list[dict], kind: str, rows: int, dtype: torch.dtype,
         for w in weights:
             x = xs[w["k"]]
             if kind == "bf16":
-                cpu_kernels.amx_linear(x, w["bf16"], None, w["n"], w["gate_up"])
+                cpu_kernels.bf16_linear(x, w["bf16"], None, w["n"], w["gate_up"])
             else:
                 cpu_kernels.int8_linear(x, w["int8"], w["scale"], w["sums"], None, w["n"],
                                         w["k"], w["gate_up"], kind == "w8a8")
@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--seconds", type=float, default=1.5, help="per configuration")
     args = parser.parse_args(argv)
-    if not cpu_kernels.amx_available():
-        raise SystemExit("the bf16 AMX matmul does not run here: nothing to compare against")
+    if not cpu_kernels.bf16_matmul_available():
+        raise SystemExit("the bf16 panel matmul does not run here: nothing to compare against")
     weights = _weights()
     configs = [("bf16", torch.bfloat16), ("w8a8", torch.bfloat16), ("w8a8", torch.float32),
                ("int8", torch.bfloat16), ("int8", torch.float32)]

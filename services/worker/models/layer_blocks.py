@@ -2,7 +2,7 @@
 `forward_blocks` runs a layer's work before attention and after it in one call each (any step),
 `decode_step` a whole decode step's layers, attention included, in one call.
 
-The blocks take every packed weight the CPU matmuls take: bf16 AMX tiles (bf16 activations),
+The blocks take every packed weight the CPU matmuls take: bf16 panels (bf16 activations),
 int8 / w8a8 panels and GGUF panels (bf16 or fp32 activations). A model some of whose matmuls
 are not packed so (oneDNN, fp32 dense, a GPU) runs module by module. GGUF weights run their
 quantized kernel at any row count here, so a step of more than gguf_weights.KERNEL_MAX_ROWS
@@ -31,8 +31,8 @@ def block_linear(module: "Linear", dtype: torch.dtype) -> "cpu_kernels.BlockLine
         return None
     n, k = module.weight.shape
     bias = module.bias
-    if packed.kind == "amx" and dtype == torch.bfloat16:
-        return cpu_kernels.amx_block_linear(packed.data, n, k, bias, packed.gate_up)
+    if packed.kind == "bf16" and dtype == torch.bfloat16:
+        return cpu_kernels.bf16_block_linear(packed.data, n, k, bias, packed.gate_up)
     if packed.kind in QUANTIZATIONS and packed.data.dim() == 1:  # panels (C kernels built)
         return cpu_kernels.int8_block_linear(packed.data, packed.scale, packed.weight_sums, n, k,
                                              bias, dtype, packed.gate_up, packed.kind == "w8a8")

@@ -1,0 +1,299 @@
+/* bf16 matmul over packed panels: y = x W^T (+ bias), optionally followed by SiLU(gate) * up,
+ * for the layers and LM head of bf16 models on CPUs with AMX or with AVX512-BF16. One packed
+ * copy of each weight serves two loops:
+ * - AMX tiles, where the CPU has them and the OS grants them (Sapphire Rapids and later);
+ * - vdpbf16ps dot products elsewhere (AVX512-BF16: Zen 4 and later, Cooper Lake). The packed
+ *   layout is already what that instruction wants: a tile row is 16 output columns, each with
+ *   the pair of K values it multiplies, 64 bytes, one vector.
+ *
+ * Why not oneDNN's packed matmul, which also runs on both: at decode batch sizes a matmul is a
+ * stream over its weight, and oneDNN's reads it well below the memory's rate (the default model
+ * at batch 64, 30 layers' weights cycled: oneDNN 7-10 GB/s, the AMX loop 15-20 GB/s; in whole
+ * decode steps, with the weights cold, the layer matmuls take ~20% less time). Here each weight is
+ * read once, in memory order, with software prefetch ahead. At prompt-sized batches the two are
+ * within ~15% of each other either way, and with SiLU(gate) * up fused this one is ahead, so one
+ * packed copy serves both. On a 2-core Zen 4 the vdpbf16ps loop ran the default model's decode
+ * shapes (64 rows) at 400-420 GFLOP/s against oneDNN's 310-400, prompt shapes within 5%.
+ *
+ * Layout: W [N, K] is packed into panels of 32 output columns; a panel is K/32 steps of two
+ * 16x32 B tiles (1 KiB each, K pairs interleaved as AMX wants them), contiguous, so a panel is
+ * one sequential read. Threads split the panels; rows go through in chunks whose x stays in L2,
+ * against the panel: 32 rows at a time on AMX (two A tiles, four accumulator tiles), 8 rows at a
+ * time with vdpbf16ps (16 accumulator vectors). With `gate_up` (the fused gate/up projection),
+ * panel p holds gate columns 16p.. in its first tile and the matching up columns in its second,
+ * so the epilogue forms SiLU(gate) * up and only that is written.
+ */
+#define _GNU_SOURCE /* syscall() */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+#include "layer_kernels.h"
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+
+#include "avx512.h"
+
+#define PANEL 32          /* output columns per panel: two 16-column B tiles */
+#define KSTEP 32          /* K values per tile row: 64 bytes of bf16 */
+#define TILE_ELEMS 512    /* bf16 values in one 16 x 64-byte tile */
+#define ROW_CHUNK 256     /* rows whose x stays in L2 while every panel passes */
+#define PREFETCH_STEPS 4  /* K steps (2 KiB each) ahead */
+
+/* W [n, k] -> panels (see the top). Returns -1 when n or k is not a multiple of 32. */
+int matmul_bf16_pack(const uint16_t *w, int64_t n, int64_t k, int gate_up, uint16_t *out) {
+    if (n % PANEL || k % KSTEP) return -1;
+    const int64_t panels = n / PANEL, steps = k / KSTEP;
+    #pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t s = 0; s < steps; s++)
+            for (int t = 0; t < 2; t++) {
+                uint16_t *tile = out + ((p * steps + s) * 2 + t) * TILE_ELEMS;
+                const int64_t col0 = gate_up ? (t ? n / 2 : 0) + p * 16 : p * PANEL + t * 16;
+                for (int r = 0; r < 16; r++)
+                    for (int c = 0; c < 16; c++) {
+                        const uint16_t *src = w + (col0 + c) * k + s * KSTEP + 2 * r;
+                        tile[r * 32 + c * 2] = src[0];
+                        tile[r * 32 + c * 2 + 1] = src[1];
+                    }
+            }
+    return 0;
+}
+
+static inline __m512 bias16(const uint16_t *bias) {
+    return bias ? load16_bf16(bias) : _mm512_setzero_ps();
+}
+
+/* One row of a finished block: acc0/acc1 are its 16 + 16 accumulators. */
+static inline void write_row(const float *acc0, const float *acc1, const uint16_t *bias,
+                             int64_t p, int64_t n, int gate_up, uint16_t *y_row) {
+    if (!gate_up) {
+        const __m512 v0 = _mm512_add_ps(_mm512_loadu_ps(acc0), bias16(bias ? bias + p * PANEL : 0));
+        const __m512 v1 = _mm512_add_ps(_mm512_loadu_ps(acc1),
+                                        bias16(bias ? bias + p * PANEL + 16 : 0));
+        store16_bf16_rne(y_row + p * PANEL, v0);
+        store16_bf16_rne(y_row + p * PANEL + 16, v1);
+        return;
+    }
+    /* As the Hugging Face model in bf16: gate and up rounded, SiLU rounded, product rounded. */
+    const __m512 gate = round16_bf16(_mm512_add_ps(_mm512_loadu_ps(acc0),
+                                                 bias16(bias ? bias + p * 16 : 0)));
+    const __m512 up = round16_bf16(_mm512_add_ps(_mm512_loadu_ps(acc1),
+                                               bias16(bias ? bias + n / 2 + p * 16 : 0)));
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate));
+    const __m512 silu = round16_bf16(_mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+    store16_bf16_rne(y_row + p * 16, _mm512_mul_ps(silu, up));
+}
+
+/* Rows `chunk`..chunk_end of x against every panel this thread takes: the same static split in
+ * every chunk, so a thread reads the same panels again. The body runs inside a parallel region. */
+#define FOR_MY_PANELS(p, panels) _Pragma("omp for schedule(static) nowait") \
+    for (int64_t p = 0; p < panels; p++)
+
+/* -- vdpbf16ps: ROWS rows x 32 columns of one panel in 2 * ROWS accumulator vectors. Per K pair,
+ * the panel's two 64-byte rows are loaded once and each x row's pair is broadcast against them.
+ * Expanded for 1..8 rows so that the accumulators stay in registers. -- */
+#define DOT_ROWS 8
+
+#define DEFINE_DOT_BLOCK(ROWS)                                                                     \
+static void dot_block_##ROWS(const uint16_t *x, int64_t x_stride, const uint16_t *panel,          \
+                             int64_t steps, int first, const uint16_t *next_panel,                 \
+                             float acc_out[][2][16]) {                                             \
+    __m512 acc0[ROWS], acc1[ROWS];                                                                 \
+    for (int i = 0; i < ROWS; i++) acc0[i] = acc1[i] = _mm512_setzero_ps();                        \
+    for (int64_t s = 0; s < steps; s++) {                                                          \
+        const uint16_t *b = panel + s * 2 * TILE_ELEMS;                                            \
+        /* The first block streams the panel in; the second brings the next panel to L2. */       \
+        if (first)                                                                                 \
+            for (int line = 0; line < 2 * TILE_ELEMS; line += 32)                                  \
+                _mm_prefetch((const char *)(b + PREFETCH_STEPS * 2 * TILE_ELEMS + line),           \
+                             _MM_HINT_T0);                                                         \
+        else if (next_panel)                                                                       \
+            for (int line = 0; line < 2 * TILE_ELEMS; line += 32)                                  \
+                _mm_prefetch((const char *)(next_panel + s * 2 * TILE_ELEMS + line),               \
+                             _MM_HINT_T1);                                                         \
+        const uint16_t *xs = x + s * KSTEP;                                                        \
+        for (int r = 0; r < 16; r++) {                                                             \
+            const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b + r * 32);                         \
+            const __m512bh b1 = (__m512bh)_mm512_loadu_si512(b + TILE_ELEMS + r * 32);            \
+            for (int i = 0; i < ROWS; i++) {                                                       \
+                int32_t pair;                                                                      \
+                memcpy(&pair, xs + i * x_stride + 2 * r, sizeof pair);                             \
+                const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);                              \
+                acc0[i] = _mm512_dpbf16_ps(acc0[i], a, b0);                                        \
+                acc1[i] = _mm512_dpbf16_ps(acc1[i], a, b1);                                        \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+    for (int i = 0; i < ROWS; i++) {                                                               \
+        _mm512_storeu_ps(acc_out[i][0], acc0[i]);                                                  \
+        _mm512_storeu_ps(acc_out[i][1], acc1[i]);                                                  \
+    }                                                                                              \
+}
+
+DEFINE_DOT_BLOCK(1) DEFINE_DOT_BLOCK(2) DEFINE_DOT_BLOCK(3) DEFINE_DOT_BLOCK(4)
+DEFINE_DOT_BLOCK(5) DEFINE_DOT_BLOCK(6) DEFINE_DOT_BLOCK(7) DEFINE_DOT_BLOCK(8)
+
+typedef void (*dot_block_fn)(const uint16_t *, int64_t, const uint16_t *, int64_t, int,
+                             const uint16_t *, float[][2][16]);
+static const dot_block_fn dot_blocks[DOT_ROWS + 1] = {
+    NULL, dot_block_1, dot_block_2, dot_block_3, dot_block_4, dot_block_5, dot_block_6,
+    dot_block_7, dot_block_8};
+
+static void matmul_dot(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t *packed,
+                       const uint16_t *bias, int64_t n, int64_t k, int gate_up, uint16_t *y) {
+    const int64_t panels = n / PANEL, steps = k / KSTEP, y_cols = gate_up ? n / 2 : n;
+    #pragma omp parallel
+    {
+        float acc[DOT_ROWS][2][16];
+        for (int64_t chunk = 0; chunk < m; chunk += ROW_CHUNK) {
+            const int64_t chunk_end = chunk + ROW_CHUNK < m ? chunk + ROW_CHUNK : m;
+            FOR_MY_PANELS(p, panels) {
+                const uint16_t *panel = packed + p * steps * 2 * TILE_ELEMS;
+                const uint16_t *next = p + 1 < panels ? panel + steps * 2 * TILE_ELEMS : NULL;
+                for (int64_t r0 = chunk; r0 < chunk_end; r0 += DOT_ROWS) {
+                    const int rows = (int)(chunk_end - r0 < DOT_ROWS ? chunk_end - r0 : DOT_ROWS);
+                    dot_blocks[rows](x + r0 * x_stride, x_stride, panel, steps, r0 == chunk,
+                                     r0 == chunk + DOT_ROWS ? next : NULL, acc);
+                    for (int i = 0; i < rows; i++)
+                        write_row(acc[i][0], acc[i][1], bias, p, n, gate_up,
+                                  y + (r0 + i) * y_cols);
+                }
+            }
+        }
+    }
+}
+
+/* -- AMX tiles -- */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "amx.h"
+
+#define AMX_ROWS 32 /* rows per pass over a panel: two 16-row A tiles */
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+int matmul_amx_available(void) {
+    /* Linux hands out AMX state per process on request; asked once (a race would only ask
+     * twice: the request is idempotent). */
+    static int state = -1;
+    if (state < 0)
+        state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return state;
+}
+
+static int matmul_amx(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t *packed,
+                      const uint16_t *bias, int64_t n, int64_t k, int gate_up, uint16_t *y) {
+    const int64_t panels = n / PANEL, steps = k / KSTEP, y_cols = gate_up ? n / 2 : n;
+    /* The last partial block of rows is read from a zero-padded copy: tiles load 16 rows. */
+    const int64_t whole = m / AMX_ROWS * AMX_ROWS;
+    uint16_t *tail = NULL;
+    if (whole < m) {
+        tail = calloc((size_t)(AMX_ROWS * k), sizeof(uint16_t));
+        if (!tail) return -3;
+        for (int64_t r = whole; r < m; r++)
+            memcpy(tail + (r - whole) * k, x + r * x_stride, (size_t)k * sizeof(uint16_t));
+    }
+    #pragma omp parallel
+    {
+        amx_load_full_tiles();
+        float acc[4][16][16];
+        for (int64_t chunk = 0; chunk < m; chunk += ROW_CHUNK) {
+            const int64_t chunk_end = chunk + ROW_CHUNK < m ? chunk + ROW_CHUNK : m;
+            FOR_MY_PANELS(p, panels) {
+                const uint16_t *panel = packed + p * steps * 2 * TILE_ELEMS;
+                for (int64_t r0 = chunk; r0 < chunk_end; r0 += AMX_ROWS) {
+                    const uint16_t *a = r0 < whole ? x + r0 * x_stride : tail;
+                    const int64_t a_stride = (r0 < whole ? x_stride : k) * 2;
+                    _tile_zero(4);
+                    _tile_zero(5);
+                    _tile_zero(6);
+                    _tile_zero(7);
+                    for (int64_t s = 0; s < steps; s++) {
+                        const uint16_t *b = panel + s * 2 * TILE_ELEMS;
+                        if (r0 == chunk) /* the first pass streams the panel in */
+                            for (int line = 0; line < 2 * TILE_ELEMS; line += 32)
+                                _mm_prefetch((const char *)(b + PREFETCH_STEPS * 2 * TILE_ELEMS
+                                                            + line), _MM_HINT_T0);
+                        else if (r0 == chunk + AMX_ROWS)
+                            /* the second finds it in cache: it brings the next panel to L2,
+                             * so that memory is never idle while the tiles compute */
+                            for (int line = 0; line < 2 * TILE_ELEMS; line += 32)
+                                _mm_prefetch((const char *)(b + steps * 2 * TILE_ELEMS + line),
+                                             _MM_HINT_T1);
+                        _tile_loadd(0, a + s * KSTEP, a_stride);
+                        _tile_loadd(1, (const char *)(a + s * KSTEP) + 16 * a_stride, a_stride);
+                        _tile_loadd(2, b, 64);
+                        _tile_loadd(3, b + TILE_ELEMS, 64);
+                        _tile_dpbf16ps(4, 0, 2);
+                        _tile_dpbf16ps(5, 0, 3);
+                        _tile_dpbf16ps(6, 1, 2);
+                        _tile_dpbf16ps(7, 1, 3);
+                    }
+                    _tile_stored(4, acc[0], 64);
+                    _tile_stored(5, acc[1], 64);
+                    _tile_stored(6, acc[2], 64);
+                    _tile_stored(7, acc[3], 64);
+                    for (int i = 0; i < AMX_ROWS && r0 + i < m; i++)
+                        write_row(acc[i / 16 * 2][i % 16], acc[i / 16 * 2 + 1][i % 16], bias, p,
+                                  n, gate_up, y + (r0 + i) * y_cols);
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(tail);
+    return 0;
+}
+#define HAVE_AMX_LOOP 1
+#else
+int matmul_amx_available(void) { return 0; }
+#endif
+
+static int dot_only = 0; /* set_matmul_bf16_dot: the vdpbf16ps loop even where AMX runs */
+
+void set_matmul_bf16_dot(int on) { dot_only = on; }
+
+/* The loop matmul_bf16 runs: 2 AMX tiles, 1 vdpbf16ps. */
+int matmul_bf16_path(void) { return !dot_only && matmul_amx_available() ? 2 : 1; }
+
+/* y [m, n] (or [m, n/2] with gate_up) = x [m, k] (rows x_stride apart) W^T + bias, W packed by
+ * matmul_bf16_pack. Returns -1 for shapes it cannot run. */
+int matmul_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t *packed,
+                const uint16_t *bias, int64_t n, int64_t k, int gate_up, uint16_t *y) {
+    if (n % PANEL || k % KSTEP) return -1;
+    if (m <= 0) return 0;
+#ifdef HAVE_AMX_LOOP
+    if (matmul_bf16_path() == 2)
+        return matmul_amx(x, x_stride, m, packed, bias, n, k, gate_up, y);
+#endif
+    matmul_dot(x, x_stride, m, packed, bias, n, k, gate_up, y);
+    return 0;
+}
+
+#else /* no AVX512-BF16: neither loop; callers keep oneDNN */
+
+int matmul_amx_available(void) { return 0; }
+
+void set_matmul_bf16_dot(int on) { (void)on; }
+
+int matmul_bf16_path(void) { return 0; }
+
+int matmul_bf16_pack(const uint16_t *w, int64_t n, int64_t k, int gate_up, uint16_t *out) {
+    (void)w, (void)n, (void)k, (void)gate_up, (void)out;
+    return -2;
+}
+
+int matmul_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t *packed,
+                const uint16_t *bias, int64_t n, int64_t k, int gate_up, uint16_t *y) {
+    (void)x, (void)x_stride, (void)m, (void)packed, (void)bias, (void)n, (void)k, (void)gate_up;
+    (void)y;
+    return -2;
+}
+
+#endif
