@@ -347,8 +347,9 @@ def bf16_matmul_paths() -> list[str]:
 
 
 def set_bf16_matmul_path(path: str) -> None:
-    """Run the bf16 panel matmul on `path` ("amx", the default where it runs, or "dot"), for
-    checking and comparing the two on one machine; takes effect at the next call."""
+    """Run the bf16 panel matmul on `path` ("amx", the default, which is the dot loop where AMX
+    does not run; or "dot"), for checking and comparing the two on one machine; takes effect
+    at the next call."""
     if path not in ("amx", "dot"):
         raise ValueError(f"bf16 matmul path must be 'amx' or 'dot', got {path!r}")
     lib = load()
@@ -378,7 +379,7 @@ def pack_bf16_weight(weight: torch.Tensor, gate_up: bool = False,
 
 
 def bf16_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
-               out_features: int, gate_up: bool = False) -> torch.Tensor:
+                out_features: int, gate_up: bool = False) -> torch.Tensor:
     """x [..., K] bf16 @ W^T (+ bias) with W packed by `pack_bf16_weight`: [..., out_features],
     or [..., out_features / 2] = SiLU(gate) * up for a `gate_up` weight. (Called ~200 times a
     decode step: the checks are the ones the C code cannot make.)"""

@@ -1,5 +1,5 @@
 /* A decoder layer's work outside attention in two calls, and a whole decode step's layers in
- * one, for bf16 or fp32 activations and any matmul weight the CPU kernels take (bf16 on AMX,
+ * one, for bf16 or fp32 activations and any matmul weight the CPU kernels take (bf16 panels,
  * int8 / w8a8, GGUF blocks):
  *
  *   attention input:  [residual += x;] h = RMSNorm(x or residual); qkv = h Wqkv^T; rotate q, k

@@ -109,7 +109,7 @@ def _linear(kind: int, n: int, k: int, dtype: torch.dtype, gate_up: bool,
 
 
 def bf16_block_linear(packed: torch.Tensor, n: int, k: int, bias: torch.Tensor | None,
-                     gate_up: bool = False) -> BlockLinear:
+                      gate_up: bool = False) -> BlockLinear:
     """A bf16 weight [n, k] packed by `pack_bf16_weight` (bf16 activations only)."""
     if packed.dtype != torch.bfloat16 or packed.numel() != n * k or not packed.is_contiguous():
         raise ValueError(f"bf16 block weight: {packed.numel()} {packed.dtype} values for "

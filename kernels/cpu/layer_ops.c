@@ -1,6 +1,6 @@
 /* Element-wise layer ops for the CPU, each one pass over memory where torch takes several:
  * RMSNorm (optionally fused with the residual add before it) and the rotary embedding applied
- * in place. (SiLU-and-multiply runs in the AMX matmul's epilogue, else on torch: a separate C
+ * in place. (SiLU-and-multiply runs in the bf16 panel matmul's epilogue, else on torch: a separate C
  * loop was no faster than torch's two vectorised ops.) Float
  * arithmetic; for bf16 the results are rounded where the Hugging Face models round them (see
  * each function), so bf16 outputs match theirs closely. Rows are split over OpenMP threads.

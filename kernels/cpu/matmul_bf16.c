@@ -12,8 +12,10 @@
  * decode steps, with the weights cold, the layer matmuls take ~20% less time). Here each weight is
  * read once, in memory order, with software prefetch ahead. At prompt-sized batches the two are
  * within ~15% of each other either way, and with SiLU(gate) * up fused this one is ahead, so one
- * packed copy serves both. On a 2-core Zen 4 the vdpbf16ps loop ran the default model's decode
- * shapes (64 rows) at 400-420 GFLOP/s against oneDNN's 310-400, prompt shapes within 5%.
+ * packed copy serves both. On a 2-core Zen 4 the vdpbf16ps loop ran the default model's layer
+ * matmuls at 64 rows at 410-420 GFLOP/s against oneDNN's 310-370, and prompt shapes within 5%;
+ * its LM head (49,152 columns streamed from memory) at 310 against 355, and the whole decode
+ * step's matmuls in 24% less time (docs/benchmarks.md).
  *
  * Layout: W [N, K] is packed into panels of 32 output columns; a panel is K/32 steps of two
  * 16x32 B tiles (1 KiB each, K pairs interleaved as AMX wants them), contiguous, so a panel is
@@ -263,7 +265,8 @@ void set_matmul_bf16_dot(int on) { dot_only = on; }
 int matmul_bf16_path(void) { return !dot_only && matmul_amx_available() ? 2 : 1; }
 
 /* y [m, n] (or [m, n/2] with gate_up) = x [m, k] (rows x_stride apart) W^T + bias, W packed by
- * matmul_bf16_pack. Returns -1 for shapes it cannot run. */
+ * matmul_bf16_pack. Returns -1 for shapes it cannot run, -3 when the AMX loop's tail copy
+ * cannot be allocated. */
 int matmul_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t *packed,
                 const uint16_t *bias, int64_t n, int64_t k, int gate_up, uint16_t *y) {
     if (n % PANEL || k % KSTEP) return -1;

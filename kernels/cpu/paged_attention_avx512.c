@@ -63,11 +63,15 @@ static inline int64_t tile_ahead(int t0, int block_size, int64_t base, int64_t n
     return t0 + TILE < block_size ? base + (int64_t)(t0 + TILE) * token_stride : next;
 }
 
-/* Prefetches one cached row of `bytes` (its lines into L1) unless `ahead` says there is none. */
-static inline __attribute__((always_inline)) void fetch_row(const char *row, int64_t ahead,
-                                                            int bytes) {
+/* Prefetches the `bytes` of a cached row (into L1) at byte `offset` from `cache`, unless
+ * `ahead` (tile_ahead's answer) says there is none. The last byte too: an int8 row (its scale
+ * after the values) is not a whole number of lines and need not start on one. */
+static inline __attribute__((always_inline)) void fetch_row(const void *cache, int64_t ahead,
+                                                            int64_t offset, int bytes) {
     if (ahead < 0) return;
+    const char *row = (const char *)cache + offset;
     for (int c = 0; c < bytes; c += 64) __builtin_prefetch(row + c);
+    __builtin_prefetch(row + bytes - 1);
 }
 
 static inline void store16_f32(float *dst, __m512 x) { _mm512_storeu_ps(dst, x); }
@@ -142,8 +146,8 @@ static void NAME(const T *query, const T *key_cache, const T *value_cache,      
                     if (t < n) {                                                                   \
                         __m512 k[ND];                                                              \
                         ROW(k, k_rows + t * token_stride, ND);                                     \
-                        fetch_row((const char *)(key_cache + ahead + t * token_stride)             \
-                                  + kh * row_bytes, ahead, row_bytes);                             \
+                        fetch_row(key_cache, ahead, (ahead + t * token_stride) * (int64_t)sizeof(T)\
+                                  + kh * row_bytes, row_bytes);                                    \
                         for (int g = 0; g < G; g++) partial[g][t] = dot16(q[g], k, ND);            \
                     } else {                                                                       \
                         for (int g = 0; g < G; g++) partial[g][t] = _mm512_setzero_ps();           \
@@ -167,8 +171,8 @@ static void NAME(const T *query, const T *key_cache, const T *value_cache,      
                 for (int t = 0; t < n; t++) {                                                      \
                     __m512 v[ND];                                                                  \
                     ROW(v, v_rows + t * token_stride, ND);                                         \
-                    fetch_row((const char *)(value_cache + ahead + t * token_stride)               \
-                              + kh * row_bytes, ahead, row_bytes);                                 \
+                    fetch_row(value_cache, ahead, (ahead + t * token_stride) * (int64_t)sizeof(T)  \
+                              + kh * row_bytes, row_bytes);                                        \
                     for (int g = 0; g < G; g++) {                                                  \
                         const __m512 p = _mm512_set1_ps(probs[g][t]);                              \
                         for (int j = 0; j < ND; j++)                                               \
@@ -321,8 +325,8 @@ static void NAME(const T *query, const uint8_t *key_cache, const uint8_t *value_
                     if (t < n) {                                                                   \
                         __m512 k[ND];                                                              \
                         row_q8(k, k_rows + t * token_stride, ND, fmt);                             \
-                        fetch_row((const char *)key_cache + ahead + t * token_stride               \
-                                  + kh * row_bytes, ahead, row_bytes);                             \
+                        fetch_row(key_cache, ahead, ahead + t * token_stride + kh * row_bytes,     \
+                                  row_bytes);                                                      \
                         for (int g = 0; g < G; g++) partial[g][t] = dot16(q[g], k, ND);            \
                     } else {                                                                       \
                         for (int g = 0; g < G; g++) partial[g][t] = _mm512_setzero_ps();           \
@@ -346,8 +350,8 @@ static void NAME(const T *query, const uint8_t *key_cache, const uint8_t *value_
                 for (int t = 0; t < n; t++) {                                                      \
                     __m512 v[ND];                                                                  \
                     row_q8(v, v_rows + t * token_stride, ND, fmt);                                 \
-                    fetch_row((const char *)value_cache + ahead + t * token_stride                 \
-                              + kh * row_bytes, ahead, row_bytes);                                 \
+                    fetch_row(value_cache, ahead, ahead + t * token_stride + kh * row_bytes,       \
+                              row_bytes);                                                          \
                     for (int g = 0; g < G; g++) {                                                  \
                         const __m512 p = _mm512_set1_ps(probs[g][t]);                              \
                         for (int j = 0; j < ND; j++)                                               \
