@@ -1,7 +1,7 @@
 """The compiled CPU kernels (kernels/cpu) against the torch code each one stands in for:
 paged decode attention and the KV cache write against kernels/reference.py, the layer ops
 against the torch path of services/worker/models/llama.py (for bfloat16 also against the
-Hugging Face rounding they copy), the packed bf16 matmuls (AMX and oneDNN) against F.linear, the
+Hugging Face rounding they copy), the packed bf16 matmuls (panels on AMX or AVX512-BF16, and oneDNN) against F.linear, the
 layer blocks against their kernels one by one; the build and its fallbacks in fresh processes;
 and a tiny bf16 Llama with the kernels on against transformers, against itself with them off,
 and with its layers as blocks against module by module."""
@@ -21,6 +21,7 @@ from kernels import reference
 from services.worker.attention.base import get_attn_backend
 from services.worker.attention.torch_backend import TorchAttentionBackend
 from services.worker.model_loader import load_model
+from services.worker.models import linear as linear_module
 from services.worker.models.linear import (Linear, SiluAndMulLinear, _onednn, linear,
                                            pack_weight)
 from services.worker.models.llama import RotaryEmbedding
@@ -521,7 +522,16 @@ def test_bf16_panel_linear_refuses_an_input_that_does_not_fit_the_weight():
         linear(torch.randn(4, 32), torch.empty(0), None, packed)  # fp32 into a bf16 kernel
 
 
-def test_fp32_layer_weights_are_stored_transposed_not_packed():
+@pytest.fixture
+def fp32_layout_set():
+    """Sets the fp32 layout for one test and puts back whatever this process had."""
+    before = linear_module._fp32_layout
+    yield linear_module.set_fp32_layout
+    linear_module.set_fp32_layout(before)
+
+
+def test_fp32_layer_weights_are_stored_transposed_where_that_layout_is_chosen(fp32_layout_set):
+    fp32_layout_set("transposed")
     g = torch.Generator().manual_seed(1)
     layer = Linear(16, 32, bias=True, dtype=torch.float32)
     layer.weight.data.copy_(torch.randn(32, 16, generator=g))
@@ -530,10 +540,44 @@ def test_fp32_layer_weights_are_stored_transposed_not_packed():
     x = torch.randn(3, 16, generator=g)
     expected = F.linear(x, before, layer.bias)
     layer.pack()
-    assert layer.packed is None  # oneDNN's fp32 packing loses on prompt-sized batches
+    assert layer.packed is None
     assert torch.equal(layer.weight, before) and layer.weight.shape == (32, 16)
     assert layer.weight.t().is_contiguous()  # stored [in, out] for MKL
     assert torch.allclose(layer(x), expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("gate_up", [False, True])
+def test_fp32_layer_weights_packed_for_onednn_where_that_layout_is_chosen(gate_up,
+                                                                          fp32_layout_set):
+    fp32_layout_set("onednn")
+    g = torch.Generator().manual_seed(3)
+    cls = SiluAndMulLinear if gate_up else Linear
+    layer = cls(64, 96, bias=True, dtype=torch.float32)
+    layer.weight.data.copy_(torch.randn(96, 64, generator=g))
+    layer.bias.data.copy_(torch.randn(96, generator=g))
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    layer.pack()
+    assert layer.packed.kind == "onednn" and not layer.packed.gate_up
+    assert layer.weight.device.type == "meta"  # the plain copy is dropped
+    for rows in (1, 5, 64, 300):
+        x = torch.randn(rows, 64, generator=g)
+        expected = F.linear(x, weight, bias)
+        if gate_up:
+            expected = silu_and_mul(expected)
+        assert torch.allclose(layer(x), expected, atol=1e-5), rows
+
+
+def test_fp32_layout_is_measured_once_and_kept(fp32_layout_set):
+    fp32_layout_set(None)
+    chosen = linear_module.fp32_layout()
+    assert chosen in ("transposed", "onednn")
+    assert linear_module._fp32_layout == chosen  # kept: the next weight does not time again
+    with pytest.raises(ValueError, match="fp32 layout"):
+        linear_module.set_fp32_layout("mkl")
+    # oneDNN only where it is clearly faster; a tie keeps the huge-page [in, out] copy.
+    assert linear_module.faster_fp32_layout(1.0, 0.5) == "onednn"
+    assert linear_module.faster_fp32_layout(1.0, 0.95) == "transposed"
+    assert linear_module.faster_fp32_layout(1.0, 2.0) == "transposed"
 
 
 def test_fp32_lm_head_packing_equals_f_linear():

@@ -165,7 +165,8 @@ def test_weights_and_kv_cache_are_on_huge_pages_unless_switched_off():
         from services.worker import host_memory
         from services.worker import cache_engine
         from services.worker.cache_engine import CacheEngine
-        from services.worker.models.linear import Linear
+        from services.worker.models.linear import Linear, set_fp32_layout
+        set_fp32_layout("transposed")  # the layout that keeps fp32 weights on huge pages
         from tests.test_cache_engine import cache_config, model_config
         from tests.test_host_memory import _mapping_of
 

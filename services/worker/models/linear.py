@@ -2,17 +2,19 @@
 
 - bf16 on a CPU with AVX512-BF16 (and AMX, where granted): packed into the panels of
   kernels/cpu/matmul_bf16.c, whose AMX loop streams the weight at up to twice oneDNN's rate at
-  decode batch sizes and whose vdpbf16ps loop runs them 5-30% faster than oneDNN; both keep up
-  with it on prompts. The fused gate/up projection also applies SiLU(gate) * up before anything
+  decode batch sizes and whose vdpbf16ps loop takes a decode step's matmuls in ~24% less time
+  than oneDNN (faster on the layers, slower on the LM head); both keep up with it on prompts. The fused gate/up projection also applies SiLU(gate) * up before anything
   is written.
 - bf16 elsewhere on the CPU (or a shape that kernel does not take): packed into oneDNN's blocked
   layout. The plain bf16 matmul repacks the weight on every call, which at decode batch sizes
   costs as much as the product (measured, 30 layers of the default model at batch 64: 1.6x
   faster packed; the same at 2048 tokens).
 - fp32: the weight is stored [in, out] (the parameter becomes a transposed view of a copy made
-  once at load, same values): MKL's sgemm is ~12% faster at batch 64 with that layout and the
-  same at 1-2048 tokens. oneDNN's fp32 packing is slower on prompt-sized batches, so only the
-  LM head, which only ever sees the sampled rows, is packed in fp32 (1.3x).
+  once at load, same values), or packed for oneDNN, whichever this CPU runs faster
+  (`fp32_layout`, timed once per process). On Intel Xeons MKL's sgemm was ~12% faster at batch
+  64 with [in, out] and the same at 1-2048 tokens; on a Zen 4 oneDNN's packed matmul was 1.3-2.3x
+  faster at batch 64 and 1.2x on prompts. The LM head, which only ever sees the sampled rows,
+  is packed for oneDNN in fp32 either way (1.3x on the Xeons).
 The panel-packed bf16 and fp32 weights live on huge pages (services/worker/host_memory.py).
 - `--quantization int8` / `w8a8` (any dtype, on the CPU): int8 weights and per-row scales in
   the panels of kernels/cpu/matmul_int8.c, weight-only or with activations quantized per row
@@ -23,6 +25,7 @@ The panel-packed bf16 and fp32 weights live on huge pages (services/worker/host_
 Elsewhere (GPU, fp16) weights stay as loaded and F.linear runs. A packed weight's plain copy is
 dropped (`drop_plain_weight`): only its shape and dtype remain.
 """
+import time
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +65,55 @@ def _onednn(dtype: torch.dtype) -> bool:
     if dtype == torch.bfloat16:
         return hasattr(ops, "_is_mkldnn_bf16_supported") and ops._is_mkldnn_bf16_supported()
     return dtype == torch.float32
+
+
+_fp32_layout: str | None = None  # fp32_layout's answer, once measured (or set)
+
+
+def set_fp32_layout(layout: str | None) -> None:
+    """Keep fp32 layer weights "transposed" or "onednn" from now on, or (None) measure which
+    again; for comparing the two on one machine. Applies to weights packed afterwards."""
+    global _fp32_layout
+    if layout not in (None, "transposed", "onednn"):
+        raise ValueError(f"fp32 layout must be 'transposed' or 'onednn', got {layout!r}")
+    _fp32_layout = layout
+
+
+def faster_fp32_layout(transposed_s: float, onednn_s: float) -> str:
+    """oneDNN's packing only where it is clearly faster: within 10%, [in, out] stays, as it
+    keeps the weight on huge pages and without an opaque copy."""
+    return "onednn" if onednn_s < 0.9 * transposed_s else "transposed"
+
+
+def fp32_layout() -> str:
+    """How fp32 layer weights are kept on this CPU: "transposed" ([in, out] for MKL's sgemm) or
+    "onednn" (oneDNN's packed matmul). Decided once per process by timing both on a decode-
+    sized product (64 x 1024 x 1024, best of 5, ~0.1 s): which one wins depends on the CPU
+    (MKL's sgemm ran at half oneDNN's rate at batch 64 on a Zen 4, and ahead of it on Xeons)."""
+    global _fp32_layout
+    if _fp32_layout is None:
+        if not _onednn(torch.float32):
+            _fp32_layout = "transposed"
+        else:
+            g = torch.Generator().manual_seed(0)
+            x = torch.randn(64, 1024, generator=g)
+            weight = torch.randn(1024, 1024, generator=g)
+            transposed = weight.t().contiguous().t()
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+
+            def best_of(run) -> float:
+                run()
+                times = []
+                for _ in range(5):
+                    start = time.perf_counter()
+                    run()
+                    times.append(time.perf_counter() - start)
+                return min(times)
+            _fp32_layout = faster_fp32_layout(
+                best_of(lambda: F.linear(x, transposed)),
+                best_of(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [],
+                                                                   "")))
+    return _fp32_layout
 
 
 def pack_weight(weight: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,),
@@ -134,6 +186,10 @@ class Linear(nn.Module):
     def pack(self, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,),
              quantization: str | None = None) -> None:
         weight = self.weight
+        if (quantization is None and weight.device.type == "cpu"
+                and weight.dtype == torch.float32 and torch.float32 not in dtypes
+                and fp32_layout() == "onednn"):
+            dtypes = (*dtypes, torch.float32)
         self.packed = pack_weight(weight, dtypes, gate_up=self.gate_up, quantization=quantization)
         if self.packed is not None:
             drop_plain_weight(self)
