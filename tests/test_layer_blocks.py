@@ -23,7 +23,7 @@ if cpu_kernels.load() is None:
     pytest.skip(f"cpu kernels unavailable: {cpu_kernels.unavailable_reason()}",
                 allow_module_level=True)
 
-KINDS = ["bf16", "int8", "w8a8", "Q8_0", "Q4_0", "Q4_1", "Q4_K"]
+KINDS = ["bf16", "bf16-dot", "int8", "w8a8", "Q8_0", "Q4_0", "Q4_1", "Q4_K"]  # bf16: default loop
 CONFIG = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2)
 K_CONFIG = dict(hidden_size=256, intermediate_size=256, num_hidden_layers=2)  # Q4_K: K of 256s
 
@@ -96,17 +96,22 @@ def run_steps(model: LlamaForCausalLM, mode: str, prompts: list[list[int]], step
     return logits
 
 
-# bf16 panels hold bf16 weights, for bf16 activations only.
+# bf16 panels hold bf16 weights, for bf16 activations only; "bf16-dot" runs them on the
+# vdpbf16ps loop where AMX would run (the same loop as "bf16" on CPUs without AMX).
 CASES = [(kind, dtype) for kind in KINDS for dtype in (torch.float32, torch.bfloat16)
-         if kind != "bf16" or dtype == torch.bfloat16]
+         if not kind.startswith("bf16") or dtype == torch.bfloat16]
 
 
 @pytest.mark.parametrize("kind,dtype", CASES,
                          ids=[f"{k}-{str(d)[6:]}" for k, d in CASES])
 def test_a_decode_step_in_one_call_blocks_and_modules_give_the_same_logits(kind, dtype,
-                                                                           monkeypatch):
-    if kind == "bf16" and not cpu_kernels.bf16_matmul_available():
+                                                                           monkeypatch, request):
+    if kind.startswith("bf16") and not cpu_kernels.bf16_matmul_available():
         pytest.skip("bf16 panels need a CPU with AVX512-BF16")
+    if kind == "bf16-dot":
+        cpu_kernels.set_bf16_matmul_path("dot")
+        request.addfinalizer(lambda: cpu_kernels.set_bf16_matmul_path("amx"))
+        kind = "bf16"
     model = tiny_model(kind, dtype, bias=kind in ("int8", "Q4_0"))
     assert model.model.use_blocks and model.model.layer_blocks is not None
     calls = []
