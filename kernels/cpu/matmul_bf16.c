@@ -14,8 +14,8 @@
  * within ~15% of each other either way, and with SiLU(gate) * up fused this one is ahead, so one
  * packed copy serves both. On a 2-core Zen 4 the vdpbf16ps loop ran the default model's layer
  * matmuls at 64 rows at 410-420 GFLOP/s against oneDNN's 310-370, and prompt shapes within 5%;
- * its LM head (49,152 columns streamed from memory) at 310 against 355, and the whole decode
- * step's matmuls in 24% less time (docs/benchmarks.md).
+ * its LM head (49,152 columns, 56 MB streamed from memory) at 355-400 against 370-380, and the
+ * whole decode step's matmuls in 24% less time (docs/benchmarks.md).
  *
  * Layout: W [N, K] is packed into panels of 32 output columns; a panel is K/32 steps of two
  * 16x32 B tiles (1 KiB each, K pairs interleaved as AMX wants them), contiguous, so a panel is
@@ -42,7 +42,10 @@
 #define KSTEP 32          /* K values per tile row: 64 bytes of bf16 */
 #define TILE_ELEMS 512    /* bf16 values in one 16 x 64-byte tile */
 #define ROW_CHUNK 256     /* rows whose x stays in L2 while every panel passes */
-#define PREFETCH_STEPS 4  /* K steps (2 KiB each) ahead */
+#define PREFETCH_STEPS 4  /* K steps (2 KiB each) ahead, AMX loop */
+/* The vdpbf16ps loop computes a step more slowly than the tiles: 8 steps ahead streamed the LM
+ * head (56 MB, cold) at 355-400 GFLOP/s against 327-393 with 4, the layers the same. */
+#define DOT_PREFETCH_STEPS 8
 
 /* W [n, k] -> panels (see the top). Returns -1 when n or k is not a multiple of 32. */
 int matmul_bf16_pack(const uint16_t *w, int64_t n, int64_t k, int gate_up, uint16_t *out) {
@@ -110,7 +113,7 @@ static void dot_block_##ROWS(const uint16_t *x, int64_t x_stride, const uint16_t
         /* The first block streams the panel in; the second brings the next panel to L2. */       \
         if (first)                                                                                 \
             for (int line = 0; line < 2 * TILE_ELEMS; line += 32)                                  \
-                _mm_prefetch((const char *)(b + PREFETCH_STEPS * 2 * TILE_ELEMS + line),           \
+                _mm_prefetch((const char *)(b + DOT_PREFETCH_STEPS * 2 * TILE_ELEMS + line),       \
                              _MM_HINT_T0);                                                         \
         else if (next_panel)                                                                       \
             for (int line = 0; line < 2 * TILE_ELEMS; line += 32)                                  \

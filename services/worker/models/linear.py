@@ -3,7 +3,8 @@
 - bf16 on a CPU with AVX512-BF16 (and AMX, where granted): packed into the panels of
   kernels/cpu/matmul_bf16.c, whose AMX loop streams the weight at up to twice oneDNN's rate at
   decode batch sizes and whose vdpbf16ps loop takes a decode step's matmuls in ~24% less time
-  than oneDNN (faster on the layers, slower on the LM head); both keep up with it on prompts. The fused gate/up projection also applies SiLU(gate) * up before anything
+  than oneDNN (faster on the layers, about even on the LM head); both keep up with it on
+  prompts. The fused gate/up projection also applies SiLU(gate) * up before anything
   is written.
 - bf16 elsewhere on the CPU (or a shape that kernel does not take): packed into oneDNN's blocked
   layout. The plain bf16 matmul repacks the weight on every call, which at decode batch sizes
