@@ -4,6 +4,7 @@ import torch
 
 from services.worker.attention.torch_backend import TorchAttentionBackend
 from services.worker.model_loader import iter_weights, load_model
+from services.worker.models import linear as linear_module
 from shared.config import LoadConfig, ModelConfig, load_hf_config
 from shared.model_source import ModelSource, resolve_model
 from tests.helpers import (PagedBatchPlanner, PagedSequence, model_config_for, new_kv_caches,
@@ -19,12 +20,20 @@ def default_source() -> ModelSource:
 
 @pytest.fixture(scope="module")
 def pagoda_model(default_source):
+    """The default model in fp32 with its layer weights kept as parameters ([in, out] copies of
+    the same values) rather than packed for oneDNN, which drops them: the first test compares
+    them with transformers' weights."""
     hf_config = load_hf_config(default_source)
     model_config = ModelConfig(source=default_source, tokenizer=default_source.path,
                                dtype=torch.float32, seed=0, max_model_len=2048,
                                hf_config=hf_config)
-    return load_model(model_config, LoadConfig("auto"), torch.device("cpu"),
-                      TorchAttentionBackend())
+    before = linear_module._fp32_layout
+    linear_module.set_fp32_layout("transposed")
+    try:
+        return load_model(model_config, LoadConfig("auto"), torch.device("cpu"),
+                          TorchAttentionBackend())
+    finally:
+        linear_module.set_fp32_layout(before)
 
 
 @pytest.fixture(scope="module")
