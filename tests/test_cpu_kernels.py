@@ -1,7 +1,8 @@
 """The compiled CPU kernels (kernels/cpu) against the torch code each one stands in for:
 paged decode attention and the KV cache write against kernels/reference.py, the layer ops
 against the torch path of services/worker/models/llama.py (for bfloat16 also against the
-Hugging Face rounding they copy), the packed bf16 matmuls (panels on AMX or AVX512-BF16, and oneDNN) against F.linear, the
+Hugging Face rounding they copy), the packed bf16 matmuls (panels on AMX or AVX512-BF16, and
+oneDNN) against F.linear, the
 layer blocks against their kernels one by one; the build and its fallbacks in fresh processes;
 and a tiny bf16 Llama with the kernels on against transformers, against itself with them off,
 and with its layers as blocks against module by module."""
@@ -501,7 +502,8 @@ def test_silu_and_mul_linear_module_with_bf16_panels_and_with_onednn():
 
 
 def test_shapes_the_bf16_panel_matmul_does_not_take_go_to_onednn():
-    """N or K not a multiple of 32 (and anything on a CPU without AVX512-BF16) is packed for oneDNN."""
+    """N or K not a multiple of 32 (and anything on a CPU without AVX512-BF16) is packed for
+    oneDNN."""
     g = torch.Generator().manual_seed(8)
     for n, k in ((48, 64), (64, 40)):
         weight = torch.randn(n, k, generator=g).to(torch.bfloat16)

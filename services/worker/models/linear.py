@@ -16,7 +16,8 @@
   64 with [in, out] and the same at 1-2048 tokens; on a Zen 4 oneDNN's packed matmul was 1.3-2.3x
   faster at batch 64 and 1.2x on prompts. The LM head, which only ever sees the sampled rows,
   is packed for oneDNN in fp32 either way (1.3x on the Xeons).
-The panel-packed bf16 and fp32 weights live on huge pages (services/worker/host_memory.py).
+The panel-packed bf16 weights and the [in, out] fp32 copies live on huge pages
+(services/worker/host_memory.py).
 - `--quantization int8` / `w8a8` (any dtype, on the CPU): int8 weights and per-row scales in
   the panels of kernels/cpu/matmul_int8.c, weight-only or with activations quantized per row
   (services/worker/models/int8.py); the gate/up SiLU * up in the kernel's epilogue.
@@ -45,7 +46,8 @@ from services.worker.models.plain_rows import in_pieces, max_rows
 @dataclass
 class PackedWeight:
     """A weight [out_features, in_features] rearranged for one kernel."""
-    kind: str  # "bf16": kernels.cpu.bf16_linear (panels); "onednn": torch.ops.mkldnn._linear_pointwise;
+    kind: str  # "bf16": kernels.cpu.bf16_linear (panels);
+    # "onednn": torch.ops.mkldnn._linear_pointwise;
     # "int8" / "w8a8": services/worker/models/int8.py (data int8, `scale` fp32 per row);
     # "triton_int8" / "triton_w8a8": the same on CUDA, data q [out, in] for
     # kernels/triton/int8_matmul.py
