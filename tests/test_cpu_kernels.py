@@ -572,14 +572,28 @@ def test_fp32_layer_weights_packed_for_onednn_where_that_layout_is_chosen(gate_u
 def test_fp32_layout_is_measured_once_and_kept(fp32_layout_set):
     fp32_layout_set(None)
     chosen = linear_module.fp32_layout()
-    assert chosen in ("transposed", "onednn")
+    assert chosen in linear_module.FP32_LAYOUTS
+    if not cpu_kernels.f32_matmul_available():
+        assert chosen != "panels"
     assert linear_module._fp32_layout == chosen  # kept: the next weight does not time again
     with pytest.raises(ValueError, match="fp32 layout"):
         linear_module.set_fp32_layout("mkl")
+
+
+def test_faster_fp32_layout_prefers_panels_then_transposed_on_a_tie():
+    faster = linear_module.faster_fp32_layout
     # oneDNN only where it is clearly faster; a tie keeps the huge-page [in, out] copy.
-    assert linear_module.faster_fp32_layout(1.0, 0.5) == "onednn"
-    assert linear_module.faster_fp32_layout(1.0, 0.95) == "transposed"
-    assert linear_module.faster_fp32_layout(1.0, 2.0) == "transposed"
+    assert faster({"transposed": 1.0, "onednn": 0.5}) == "onednn"
+    assert faster({"transposed": 1.0, "onednn": 0.95}) == "transposed"
+    assert faster({"transposed": 1.0, "onednn": 2.0}) == "transposed"
+    # Panels (the layer blocks take them) unless another is 10% faster.
+    assert faster({"panels": 1.0, "transposed": 0.95, "onednn": 0.92}) == "panels"
+    assert faster({"panels": 1.0, "transposed": 1.2, "onednn": 0.8}) == "onednn"
+    assert faster({"panels": 1.0, "transposed": 0.85, "onednn": 0.8}) == "transposed"
+    assert faster({"panels": 1.0, "transposed": 0.7, "onednn": 0.64}) == "transposed"
+    assert faster({"panels": 1.0, "transposed": 0.7, "onednn": 0.62}) == "onednn"
+    with pytest.raises(ValueError):
+        faster({})
 
 
 def test_fp32_lm_head_packing_equals_f_linear():

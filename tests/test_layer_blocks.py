@@ -1,6 +1,6 @@
 """The C layer blocks (kernels/cpu/blocks.c, services/worker/models/layer_blocks.py): a tiny
-Llama with each kind of packed weight (bf16 panels, int8, w8a8, GGUF Q8_0 / Q4_0 / Q4_1) and bf16 or
-fp32 activations gives the same logits, to the bit, whether a decode step runs as one C call,
+Llama with each kind of packed weight (bf16 or fp32 panels, int8, w8a8, GGUF Q8_0 / Q4_0 / Q4_1)
+and bf16 or fp32 activations gives the same logits, to the bit, whether a decode step runs as one C call,
 its layers as two calls each, or module by module; and what does not fit is refused before the
 C code reads it."""
 import numpy as np
@@ -12,6 +12,7 @@ from kernels.reference import cache_row_width
 from services.worker.attention.base import get_attn_backend
 from services.worker.models.gguf_weights import GGUFWeight, allocate_part, fill_from_blocks
 from services.worker.models.layer_blocks import LayerBlocks
+from services.worker.models import linear as linear_module
 from services.worker.models.linear import Linear, PackedWeight, drop_plain_weight
 from services.worker.models.llama import LlamaForCausalLM
 from tests.helpers import PagedBatchPlanner, PagedSequence, new_kv_caches, tiny_llama_config
@@ -23,7 +24,7 @@ if cpu_kernels.load() is None:
     pytest.skip(f"cpu kernels unavailable: {cpu_kernels.unavailable_reason()}",
                 allow_module_level=True)
 
-KINDS = ["bf16", "bf16-dot", "int8", "w8a8", "Q8_0", "Q4_0", "Q4_1", "Q4_K"]  # bf16: default loop
+KINDS = ["bf16", "bf16-dot", "f32", "int8", "w8a8", "Q8_0", "Q4_0", "Q4_1", "Q4_K"]  # bf16: default loop
 CONFIG = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2)
 K_CONFIG = dict(hidden_size=256, intermediate_size=256, num_hidden_layers=2)  # Q4_K: K of 256s
 
@@ -61,7 +62,7 @@ def tiny_model(kind: str, dtype: torch.dtype, bias: bool = False) -> LlamaForCau
                 _to_gguf(module, kind)
         model.pack_weights("gguf")
     else:
-        model.pack_weights(None if kind == "bf16" else kind)
+        model.pack_weights(None if kind in ("bf16", "f32") else kind)
     return model
 
 
@@ -97,9 +98,11 @@ def run_steps(model: LlamaForCausalLM, mode: str, prompts: list[list[int]], step
 
 
 # bf16 panels hold bf16 weights, for bf16 activations only; "bf16-dot" runs them on the
-# vdpbf16ps loop where AMX would run (the same loop as "bf16" on CPUs without AMX).
+# vdpbf16ps loop where AMX would run (the same loop as "bf16" on CPUs without AMX). fp32 panels
+# likewise for fp32 only.
 CASES = [(kind, dtype) for kind in KINDS for dtype in (torch.float32, torch.bfloat16)
-         if not kind.startswith("bf16") or dtype == torch.bfloat16]
+         if not (kind.startswith("bf16") and dtype != torch.bfloat16)
+         and not (kind == "f32" and dtype != torch.float32)]
 
 
 @pytest.mark.parametrize("kind,dtype", CASES,
@@ -112,8 +115,16 @@ def test_a_decode_step_in_one_call_blocks_and_modules_give_the_same_logits(kind,
         cpu_kernels.set_bf16_matmul_path("dot")
         request.addfinalizer(lambda: cpu_kernels.set_bf16_matmul_path("amx"))
         kind = "bf16"
-    model = tiny_model(kind, dtype, bias=kind in ("int8", "Q4_0"))
+    if kind == "f32":
+        if not cpu_kernels.f32_matmul_available():
+            pytest.skip("fp32 panels need a CPU with AVX-512")
+        before = linear_module._fp32_layout
+        linear_module.set_fp32_layout("panels")
+        request.addfinalizer(lambda: linear_module.set_fp32_layout(before))
+    model = tiny_model(kind, dtype, bias=kind in ("int8", "Q4_0", "f32"))
     assert model.model.use_blocks and model.model.layer_blocks is not None
+    if kind in ("bf16", "f32"):
+        assert model.model.layers[0].mlp.gate_up_proj.packed.kind == kind
     calls = []
     decode_layers = cpu_kernels.decode_layers
     monkeypatch.setattr(cpu_kernels, "decode_layers",

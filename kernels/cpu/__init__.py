@@ -1,16 +1,14 @@
 """CPU kernels in C (built on first use, see build.py): paged decode attention, causal prefill
 attention for whole prompts, the KV cache write, the element-wise layer ops, greedy sampling,
-the bf16 panel matmul (AMX or AVX512-BF16), int8 weight-only and w8a8 matmuls, matmuls on GGUF
+the bf16 and fp32 panel matmuls (AMX, AVX512-BF16 or AVX-512 FMA), int8 weight-only and w8a8 matmuls, matmuls on GGUF
 blocks (matmul_gguf.c), and a decoder layer's work around attention chained into two calls, or
 a decode step's layers into one (blocks.c). Each
 computes what its torch counterpart computes (kernels/reference.py for attention and the cache
 write, the modules of services/worker/models/llama.py and the sampler for the rest), which
 stands in for it where it cannot run: another device or dtype, no C compiler, or
-PAGODA_CPU_KERNELS=0. The int8, GGUF and layer-block wrappers live in int8.py, gguf.py and
-blocks.py, re-exported here;
+PAGODA_CPU_KERNELS=0. The panel matmul, int8, GGUF and layer-block wrappers live in
+panels.py, int8.py, gguf.py and blocks.py, re-exported here;
 bind.py binds the C functions."""
-from collections.abc import Callable
-
 import torch
 
 from kernels.cpu.bind import DTYPE_SUFFIX as _SUFFIX
@@ -19,10 +17,15 @@ from kernels.cpu.bind import data_ptr as _ptr
 from kernels.cpu.build import load, unavailable_reason
 from kernels.reference import cache_row_width
 from kernels.cpu.blocks import (Q8_CACHE_CODES, BlockLinear, bf16_block_linear, attention_input,
+                                f32_block_linear,
                                 attention_output_mlp, decode_layers, decode_weights,
                                 gguf_block_linear, int8_block_linear, layer_blocks_available,
                                 silu_mul)
 from kernels.cpu.gguf import gguf_dequantize, gguf_matmul, gguf_simd_available, set_gguf_simd
+from kernels.cpu.panels import (bf16_linear, bf16_matmul_available, bf16_matmul_paths,
+                                f32_linear, f32_matmul_available, pack_bf16_weight,
+                                pack_f32_weight, set_bf16_matmul, set_bf16_matmul_path,
+                                set_f32_matmul)
 from kernels.cpu.int8 import (INT8_PATHS, int8_kernels_available, int8_linear, int8_paths,
                               pack_int8_weight, set_int8_path, unpack_int8_weight)
 
@@ -32,11 +35,15 @@ __all__ = [
     "attention_simd_available", "set_attention_simd", "supports", "write_kv_cache",
     "paged_decode_attention", "prefill_paths", "set_prefill_path", "causal_prefill_supports",
     "causal_prefill_attention",
-    # layer ops, sampling, the bf16 panel matmul and the layer blocks
-    "rms_norm", "rotary_", "greedy_sample", "set_bf16_matmul", "bf16_matmul_available",
-    "bf16_matmul_paths", "set_bf16_matmul_path", "pack_bf16_weight", "bf16_linear",
+    # layer ops, sampling
+    "rms_norm", "rotary_", "greedy_sample",
+    # kernels/cpu/panels.py: the bf16 and fp32 panel matmuls
+    "set_bf16_matmul", "bf16_matmul_available", "bf16_matmul_paths", "set_bf16_matmul_path",
+    "pack_bf16_weight", "bf16_linear", "set_f32_matmul", "f32_matmul_available",
+    "pack_f32_weight", "f32_linear",
     # kernels/cpu/blocks.py: the layer blocks
-    "Q8_CACHE_CODES", "BlockLinear", "bf16_block_linear", "int8_block_linear", "gguf_block_linear",
+    "Q8_CACHE_CODES", "BlockLinear", "bf16_block_linear", "f32_block_linear", "int8_block_linear",
+    "gguf_block_linear",
     "layer_blocks_available", "attention_input", "attention_output_mlp", "decode_weights",
     "decode_layers", "silu_mul",
     # kernels/cpu/gguf.py and int8.py
@@ -318,87 +325,3 @@ def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _function("greedy_sample", logits.dtype)(logits.data_ptr(), logits.stride(0), rows, vocab,
                                              token_ids.data_ptr(), logprobs.data_ptr())
     return token_ids, logprobs
-
-
-_bf16_on = True
-
-
-def set_bf16_matmul(on: bool) -> None:
-    """Pack bf16 weights for the panel matmul where it runs (default), or leave them to oneDNN,
-    for comparing the two on one machine. Applies to weights packed afterwards."""
-    global _bf16_on
-    _bf16_on = on
-
-
-def bf16_matmul_available() -> bool:
-    """Whether the bf16 panel matmul runs here: built for a CPU with AVX512-BF16 (its AMX loop
-    also needs AMX, granted by the OS)."""
-    lib = load()
-    return lib is not None and lib.matmul_bf16_path() > 0
-
-
-def bf16_matmul_paths() -> list[str]:
-    """The loops of the bf16 panel matmul this machine runs: "dot" (vdpbf16ps) wherever the
-    matmul runs, "amx" where AMX is granted too."""
-    lib = load()
-    if lib is None or lib.matmul_bf16_path() == 0:
-        return []
-    return ["dot"] + (["amx"] if lib.matmul_amx_available() else [])
-
-
-def set_bf16_matmul_path(path: str) -> None:
-    """Run the bf16 panel matmul on `path` ("amx", the default, which is the dot loop where AMX
-    does not run; or "dot"), for checking and comparing the two on one machine; takes effect
-    at the next call."""
-    if path not in ("amx", "dot"):
-        raise ValueError(f"bf16 matmul path must be 'amx' or 'dot', got {path!r}")
-    lib = load()
-    if lib is not None:
-        lib.set_matmul_bf16_dot(int(path == "dot"))
-
-
-def pack_bf16_weight(weight: torch.Tensor, gate_up: bool = False,
-                     empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] = torch.empty,
-                     ) -> torch.Tensor | None:
-    """A bf16 weight [N, K] on the CPU rearranged for `bf16_linear` (same size, in memory from
-    `empty(shape, dtype)`), or None where that does not run: no AVX512-BF16, another dtype or
-    device, N or K not a multiple of 32. With `gate_up` the weight is [gate; up] and the matmul
-    returns SiLU(gate) * up."""
-    if (weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2
-            or not _bf16_on or not bf16_matmul_available()):
-        return None
-    n, k = weight.shape
-    if n % 32 or k % 32:
-        return None
-    weight = weight.detach().contiguous()
-    packed = empty((n * k,), dtype=torch.bfloat16)
-    rc = _function("matmul_bf16_pack", None)(weight.data_ptr(), n, k, int(gate_up),
-                                             packed.data_ptr())
-    assert rc == 0, rc
-    return packed
-
-
-def bf16_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
-                out_features: int, gate_up: bool = False) -> torch.Tensor:
-    """x [..., K] bf16 @ W^T (+ bias) with W packed by `pack_bf16_weight`: [..., out_features],
-    or [..., out_features / 2] = SiLU(gate) * up for a `gate_up` weight. (Called ~200 times a
-    decode step: the checks are the ones the C code cannot make.)"""
-    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    if rows.stride(1) != 1:
-        rows = rows.contiguous()
-    num_rows, k = rows.shape
-    if x.dtype != torch.bfloat16 or packed.numel() != out_features * k:
-        raise ValueError(f"bf16 matmul: x {tuple(x.shape)} {x.dtype} does not fit a packed "
-                         f"weight of {out_features} x {packed.numel() // out_features}")
-    if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (out_features,)
-                             or bias.stride(0) != 1):
-        raise ValueError(f"bf16 matmul: bias must be contiguous bf16 [{out_features}]")
-    out = torch.empty(num_rows, out_features // 2 if gate_up else out_features,
-                      dtype=torch.bfloat16)
-    rc = _function("matmul_bf16", None)(
-        rows.data_ptr(), rows.stride(0), num_rows, packed.data_ptr(),
-        _ptr(bias), out_features, k, gate_up, out.data_ptr())
-    if rc != 0:
-        raise RuntimeError(f"bf16 matmul cannot run [{num_rows}, {k}] x [{out_features}, {k}]^T "
-                           f"(error {rc})")
-    return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[1])

@@ -17,6 +17,8 @@ _SIGNATURES = {
     "greedy_sample": ([_P, _I64, _I64, _I64, _P, _P], None),
     "matmul_bf16_pack": ([_P, _I64, _I64, _INT, _P], _INT),
     "matmul_bf16": ([_P, _I64, _I64, _P, _P, _I64, _I64, _INT, _P], _INT),
+    "matmul_f32_pack": ([_P, _I64, _I64, _INT, _P], _INT),
+    "matmul_f32": ([_P, _I64, _I64, _P, _P, _I64, _I64, _INT, _P], _INT),
     "matmul_int8": ([_P, _I64, _I64, _INT, _P, _P, _P, _P, _I64, _I64, _INT, _INT, _INT, _P],
                     _INT),
     "kv_cache_write": ([_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I64], _INT),

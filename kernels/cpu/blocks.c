@@ -1,6 +1,6 @@
 /* A decoder layer's work outside attention in two calls, and a whole decode step's layers in
- * one, for bf16 or fp32 activations and any matmul weight the CPU kernels take (bf16 panels,
- * int8 / w8a8, GGUF blocks):
+ * one, for bf16 or fp32 activations and any matmul weight the CPU kernels take (bf16 or fp32
+ * panels, int8 / w8a8, GGUF blocks):
  *
  *   attention input:  [residual += x;] h = RMSNorm(x or residual); qkv = h Wqkv^T; rotate q, k
  *   attention output: o = attn Wo^T; residual += o; h = RMSNorm(residual);
@@ -25,7 +25,7 @@
 #include "common.h"
 #include "layer_kernels.h"
 
-enum { LINEAR_BF16 = 1, LINEAR_INT8 = 2, LINEAR_W8A8 = 3, LINEAR_GGUF = 4 };
+enum { LINEAR_BF16 = 1, LINEAR_INT8 = 2, LINEAR_W8A8 = 3, LINEAR_GGUF = 4, LINEAR_F32 = 5 };
 #define MAX_PARTS 4
 
 /* A matmul weight [n, k] as one of the kernels holds it (mirrored by kernels/cpu/blocks.py). */
@@ -33,7 +33,7 @@ typedef struct {
     int64_t kind;     /* LINEAR_* */
     int64_t n, k;
     int64_t gate_up;  /* [gate; up] with SiLU(gate) * up in the kernel: n / 2 outputs */
-    const void *data; /* bf16 panels or int8 panels */
+    const void *data; /* bf16, fp32 or int8 panels */
     const float *scale;       /* int8: per output row */
     const int32_t *sums;      /* int8: each row's sum of q */
     const void *bias;         /* activation dtype, or NULL */
@@ -52,6 +52,9 @@ static int run_linear(const linear_t *w, const void *x, int64_t x_stride, int64_
     case LINEAR_BF16:
         if (!bf16) return -20;
         return matmul_bf16(x, x_stride, rows, w->data, w->bias, w->n, w->k, (int)w->gate_up, y);
+    case LINEAR_F32:
+        if (bf16) return -20;
+        return matmul_f32(x, x_stride, rows, w->data, w->bias, w->n, w->k, (int)w->gate_up, y);
     case LINEAR_INT8:
     case LINEAR_W8A8:
         return matmul_int8(x, x_stride, rows, bf16, w->data, w->scale, w->sums, w->bias, w->n,

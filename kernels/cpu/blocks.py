@@ -1,10 +1,10 @@
 """The layer blocks of blocks.c: a decoder layer's work before attention and after it in one C
 call each, and a whole decode step's layers (attention included) in one, for bf16 or fp32
-activations and any weight the CPU matmuls take (bf16 panels, int8 / w8a8 panels, GGUF
+activations and any weight the CPU matmuls take (bf16 or fp32 panels, int8 / w8a8 panels, GGUF
 panels).
 
 Each matmul weight is described once, after loading, by a `BlockLinear` (`bf16_block_linear`,
-`int8_block_linear`, `gguf_block_linear`): its arrays' addresses and shapes, checked here when
+`f32_block_linear`, `int8_block_linear`, `gguf_block_linear`): its arrays' addresses and shapes, checked here when
 it is built, since the C code trusts them. Each call checks only what changes per step: the
 activations' shapes, dtypes and layout."""
 import ctypes
@@ -20,7 +20,7 @@ from kernels.reference import cache_row_width
 
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 MAX_PARTS = 4  # blocks.c
-_BF16, _INT8, _W8A8, _GGUF = 1, 2, 3, 4
+_BF16, _INT8, _W8A8, _GGUF, _F32 = 1, 2, 3, 4, 5
 # 8-bit KV cache formats by their codes in kernels/cpu/kv_quant.h.
 Q8_CACHE_CODES = {torch.int8: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 
@@ -108,15 +108,25 @@ def _linear(kind: int, n: int, k: int, dtype: torch.dtype, gate_up: bool,
     return BlockLinear(desc, n, k, dtype, n // 2 if gate_up else n, (*tensors, bias))
 
 
+def _panel_block_linear(kind: int, dtype: torch.dtype, packed: torch.Tensor, n: int, k: int,
+                        bias: torch.Tensor | None, gate_up: bool) -> BlockLinear:
+    what = f"{'bf16' if dtype == torch.bfloat16 else 'fp32'} block weight"
+    if packed.dtype != dtype or packed.numel() != n * k or not packed.is_contiguous():
+        raise ValueError(f"{what}: {packed.numel()} {packed.dtype} values for [{n}, {k}]")
+    _check_bias(what, bias, n, dtype)
+    return _linear(kind, n, k, dtype, gate_up, bias, (packed,), data=packed.data_ptr())
+
+
 def bf16_block_linear(packed: torch.Tensor, n: int, k: int, bias: torch.Tensor | None,
                       gate_up: bool = False) -> BlockLinear:
     """A bf16 weight [n, k] packed by `pack_bf16_weight` (bf16 activations only)."""
-    if packed.dtype != torch.bfloat16 or packed.numel() != n * k or not packed.is_contiguous():
-        raise ValueError(f"bf16 block weight: {packed.numel()} {packed.dtype} values for "
-                         f"[{n}, {k}]")
-    _check_bias("bf16 block weight", bias, n, torch.bfloat16)
-    return _linear(_BF16, n, k, torch.bfloat16, gate_up, bias, (packed,),
-                   data=packed.data_ptr())
+    return _panel_block_linear(_BF16, torch.bfloat16, packed, n, k, bias, gate_up)
+
+
+def f32_block_linear(packed: torch.Tensor, n: int, k: int, bias: torch.Tensor | None,
+                     gate_up: bool = False) -> BlockLinear:
+    """An fp32 weight [n, k] packed by `pack_f32_weight` (fp32 activations only)."""
+    return _panel_block_linear(_F32, torch.float32, packed, n, k, bias, gate_up)
 
 
 def int8_block_linear(packed: torch.Tensor, scale: torch.Tensor, sums: torch.Tensor | None,

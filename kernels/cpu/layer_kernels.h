@@ -16,6 +16,8 @@ int rotary_f32(float *x, int64_t x_stride, const int64_t *positions, const float
                int64_t tokens, int heads, int head_dim, int64_t max_positions);
 int matmul_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t *packed,
                 const uint16_t *bias, int64_t n, int64_t k, int gate_up, uint16_t *y);
+int matmul_f32(const float *x, int64_t x_stride, int64_t m, const float *packed,
+               const float *bias, int64_t n, int64_t k, int gate_up, float *y);
 int matmul_int8(const void *x, int64_t x_stride, int64_t m, int bf16, const int8_t *packed,
                 const float *ws, const int32_t *wsum, const void *bias, int64_t n, int64_t k,
                 int gate_up, int w8a8, int path, void *y);

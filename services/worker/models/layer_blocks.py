@@ -2,9 +2,9 @@
 `forward_blocks` runs a layer's work before attention and after it in one call each (any step),
 `decode_step` a whole decode step's layers, attention included, in one call.
 
-The blocks take every packed weight the CPU matmuls take: bf16 panels (bf16 activations),
-int8 / w8a8 panels and GGUF panels (bf16 or fp32 activations). A model some of whose matmuls
-are not packed so (oneDNN, fp32 dense, a GPU) runs module by module. GGUF weights run their
+The blocks take every packed weight the CPU matmuls take: bf16 or fp32 panels (activations of
+their dtype), int8 / w8a8 panels and GGUF panels (bf16 or fp32 activations). A model some of whose matmuls
+are not packed so (oneDNN, fp32 [in, out], a GPU) runs module by module. GGUF weights run their
 quantized kernel at any row count here, so a step of more than gguf_weights.KERNEL_MAX_ROWS
 tokens (where a dequantized temporary and the dense matmul are faster) runs module by module
 too, as does a speculative step whose quantized matmuls the modules split (`LayerBlocks.runs`)."""
@@ -33,6 +33,8 @@ def block_linear(module: "Linear", dtype: torch.dtype) -> "cpu_kernels.BlockLine
     bias = module.bias
     if packed.kind == "bf16" and dtype == torch.bfloat16:
         return cpu_kernels.bf16_block_linear(packed.data, n, k, bias, packed.gate_up)
+    if packed.kind == "f32" and dtype == torch.float32:
+        return cpu_kernels.f32_block_linear(packed.data, n, k, bias, packed.gate_up)
     if packed.kind in QUANTIZATIONS and packed.data.dim() == 1:  # panels (C kernels built)
         return cpu_kernels.int8_block_linear(packed.data, packed.scale, packed.weight_sums, n, k,
                                              bias, dtype, packed.gate_up, packed.kind == "w8a8")

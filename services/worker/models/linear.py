@@ -10,13 +10,16 @@
   layout. The plain bf16 matmul repacks the weight on every call, which at decode batch sizes
   costs as much as the product (measured, 30 layers of the default model at batch 64: 1.6x
   faster packed; the same at 2048 tokens).
-- fp32: the weight is stored [in, out] (the parameter becomes a transposed view of a copy made
-  once at load, same values), or packed for oneDNN, whichever this CPU runs faster
-  (`fp32_layout`, timed once per process). On Intel Xeons MKL's sgemm was ~12% faster at batch
-  64 with [in, out] and the same at 1-2048 tokens; on a Zen 4 oneDNN's packed matmul was 1.3-2.3x
-  faster at batch 64 and 1.2x on prompts. The LM head, which only ever sees the sampled rows,
-  is packed for oneDNN in fp32 either way (1.3x on the Xeons).
-The panel-packed bf16 weights and the [in, out] fp32 copies live on huge pages
+- fp32: packed into the panels of kernels/cpu/matmul_f32.c (AVX-512), stored [in, out] (the
+  parameter becomes a transposed view of a copy made once at load, same values), or packed for
+  oneDNN, whichever this CPU runs fastest (`fp32_layout`, timed once per process, panels
+  preferred on a tie since the C layer blocks take them). On Intel Xeons MKL's sgemm was ~12%
+  faster than oneDNN at batch 64 with [in, out] and the same at 1-2048 tokens; on a Zen 4
+  oneDNN's packed matmul was 1.3-2.3x faster than MKL at batch 64, and the panels about even
+  with oneDNN cache-warm and 5-15% faster with the weights streamed from memory, as in a
+  decode step. The LM head, which only ever sees the sampled rows, is packed in fp32 either
+  way: panels where that is the layout, else oneDNN (1.3x over MKL on the Xeons).
+The panel-packed weights and the [in, out] fp32 copies live on huge pages
 (services/worker/host_memory.py).
 - `--quantization int8` / `w8a8` (any dtype, on the CPU): int8 weights and per-row scales in
   the panels of kernels/cpu/matmul_int8.c, weight-only or with activations quantized per row
@@ -29,6 +32,7 @@ dropped (`drop_plain_weight`): only its shape and dtype remain.
 """
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +50,7 @@ from services.worker.models.plain_rows import in_pieces, max_rows
 @dataclass
 class PackedWeight:
     """A weight [out_features, in_features] rearranged for one kernel."""
-    kind: str  # "bf16": kernels.cpu.bf16_linear (panels);
+    kind: str  # "bf16" / "f32": kernels.cpu.bf16_linear / f32_linear (panels);
     # "onednn": torch.ops.mkldnn._linear_pointwise;
     # "int8" / "w8a8": services/worker/models/int8.py (data int8, `scale` fp32 per row);
     # "triton_int8" / "triton_w8a8": the same on CUDA, data q [out, in] for
@@ -71,51 +75,61 @@ def _onednn(dtype: torch.dtype) -> bool:
 
 
 _fp32_layout: str | None = None  # fp32_layout's answer, once measured (or set)
+# In order of preference when timed alike: panels let the C layer blocks run and fuse SiLU * up;
+# [in, out] keeps the weight on huge pages without an opaque copy.
+FP32_LAYOUTS = ("panels", "transposed", "onednn")
 
 
 def set_fp32_layout(layout: str | None) -> None:
-    """Keep fp32 layer weights "transposed" or "onednn" from now on, or (None) measure which
-    again; for comparing the two on one machine. Applies to weights packed afterwards."""
+    """Keep fp32 layer weights as `layout` (one of FP32_LAYOUTS) from now on, or (None) measure
+    which again; for comparing them on one machine. Applies to weights packed afterwards."""
     global _fp32_layout
-    if layout not in (None, "transposed", "onednn"):
-        raise ValueError(f"fp32 layout must be 'transposed' or 'onednn', got {layout!r}")
+    if layout is not None and layout not in FP32_LAYOUTS:
+        raise ValueError(f"fp32 layout must be one of {FP32_LAYOUTS}, got {layout!r}")
     _fp32_layout = layout
 
 
-def faster_fp32_layout(transposed_s: float, onednn_s: float) -> str:
-    """oneDNN's packing only where it is clearly faster: within 10%, [in, out] stays, as it
-    keeps the weight on huge pages and without an opaque copy."""
-    return "onednn" if onednn_s < 0.9 * transposed_s else "transposed"
+def faster_fp32_layout(seconds: dict[str, float]) -> str:
+    """The layout to keep given each one's time: a layout later in FP32_LAYOUTS only where it
+    is clearly faster (by 10%) than the one chosen before it."""
+    chosen = None
+    for layout in FP32_LAYOUTS:
+        if layout in seconds and (chosen is None or seconds[layout] < 0.9 * seconds[chosen]):
+            chosen = layout
+    if chosen is None:
+        raise ValueError(f"no time for any fp32 layout: {seconds}")
+    return chosen
 
 
 def fp32_layout() -> str:
-    """How fp32 layer weights are kept on this CPU: "transposed" ([in, out] for MKL's sgemm) or
-    "onednn" (oneDNN's packed matmul). Decided once per process by timing both on a decode-
-    sized product (64 x 1024 x 1024, best of 5, ~0.1 s): which one wins depends on the CPU
-    (MKL's sgemm ran at half oneDNN's rate at batch 64 on a Zen 4, and ahead of it on Xeons)."""
+    """How fp32 layer weights are kept on this CPU: "panels" (kernels/cpu/matmul_f32.c, where
+    it runs), "transposed" ([in, out] for MKL's sgemm) or "onednn" (oneDNN's packed matmul).
+    Decided once per process by timing each on a decode-sized product (64 x 1024 x 1024, best of
+    5, ~0.1 s each): which one wins depends on the CPU (MKL's sgemm ran at half oneDNN's rate at
+    batch 64 on a Zen 4, and ahead of it on Xeons)."""
     global _fp32_layout
     if _fp32_layout is None:
-        if not _onednn(torch.float32):
-            _fp32_layout = "transposed"
-        else:
-            g = torch.Generator().manual_seed(0)
-            x = torch.randn(64, 1024, generator=g)
-            weight = torch.randn(1024, 1024, generator=g)
-            transposed = weight.t().contiguous().t()
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(64, 1024, generator=g)
+        weight = torch.randn(1024, 1024, generator=g)
+        runs = {"transposed": partial(F.linear, x, weight.t().contiguous().t())}
+        panels = cpu_kernels.pack_f32_weight(weight)
+        if panels is not None:
+            runs["panels"] = partial(cpu_kernels.f32_linear, x, panels, None, 1024)
+        if _onednn(torch.float32):
+            runs["onednn"] = partial(torch.ops.mkldnn._linear_pointwise, x,
+                                     torch.ops.mkldnn._reorder_linear_weight(weight, 64), None,
+                                     "none", [], "")
 
-            def best_of(run) -> float:
+        def best_of(run) -> float:
+            run()
+            times = []
+            for _ in range(5):
+                start = time.perf_counter()
                 run()
-                times = []
-                for _ in range(5):
-                    start = time.perf_counter()
-                    run()
-                    times.append(time.perf_counter() - start)
-                return min(times)
-            _fp32_layout = faster_fp32_layout(
-                best_of(lambda: F.linear(x, transposed)),
-                best_of(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [],
-                                                                   "")))
+                times.append(time.perf_counter() - start)
+            return min(times)
+        _fp32_layout = faster_fp32_layout({name: best_of(run) for name, run in runs.items()})
     return _fp32_layout
 
 
@@ -137,9 +151,14 @@ def pack_weight(weight: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.b
     if weight.device.type != "cpu" or weight.dtype not in dtypes:
         return None
     # On huge pages: a step streams it from memory (services/worker/host_memory.py).
-    panels = cpu_kernels.pack_bf16_weight(weight, gate_up, empty=host_empty)
+    if weight.dtype == torch.float32:
+        panels = (cpu_kernels.pack_f32_weight(weight, gate_up, empty=host_empty)
+                  if fp32_layout() == "panels" else None)
+    else:
+        panels = cpu_kernels.pack_bf16_weight(weight, gate_up, empty=host_empty)
     if panels is not None:
-        return PackedWeight("bf16", panels, out_features, gate_up)
+        return PackedWeight("bf16" if weight.dtype == torch.bfloat16 else "f32", panels,
+                            out_features, gate_up)
     if not _onednn(weight.dtype):
         return None
     return PackedWeight("onednn", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64),
@@ -160,6 +179,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         return F.linear(x, weight, bias)
     if packed.kind == "bf16":
         return cpu_kernels.bf16_linear(x, packed.data, bias, packed.out_features, packed.gate_up)
+    if packed.kind == "f32":
+        return cpu_kernels.f32_linear(x, packed.data, bias, packed.out_features, packed.gate_up)
     # (Quantized: on the plain step's path in a speculative step, models/plain_rows.py.)
     if packed.kind == "gguf":
         return in_pieces(gguf_linear, x, max_rows("gguf", x), packed.gguf, bias)
@@ -191,7 +212,7 @@ class Linear(nn.Module):
         weight = self.weight
         if (quantization is None and weight.device.type == "cpu"
                 and weight.dtype == torch.float32 and torch.float32 not in dtypes
-                and fp32_layout() == "onednn"):
+                and fp32_layout() in ("panels", "onednn")):
             dtypes = (*dtypes, torch.float32)
         self.packed = pack_weight(weight, dtypes, gate_up=self.gate_up, quantization=quantization)
         if self.packed is not None:

@@ -1,0 +1,143 @@
+"""The panel matmuls: y = x W^T (+ bias) with W packed once into panels of 32 output columns
+that a matmul streams in memory order, for the layers and LM head of bf16 models
+(matmul_bf16.c: AMX tiles or AVX512-BF16 dot products) and of fp32 models (matmul_f32.c:
+AVX-512 FMA). A gate/up weight packed with `gate_up` returns SiLU(gate) * up instead."""
+from collections.abc import Callable
+
+import torch
+
+from kernels.cpu.bind import bound_function as _function
+from kernels.cpu.bind import data_ptr as _ptr
+from kernels.cpu.build import load
+
+_bf16_on = True
+_f32_on = True
+
+
+def set_bf16_matmul(on: bool) -> None:
+    """Pack bf16 weights for the panel matmul where it runs (default), or leave them to oneDNN,
+    for comparing the two on one machine. Applies to weights packed afterwards."""
+    global _bf16_on
+    _bf16_on = on
+
+
+def set_f32_matmul(on: bool) -> None:
+    """Let fp32 weights be packed into panels where the fp32 panel matmul runs (default), or
+    not, for comparing it with oneDNN or MKL on one machine. Applies to weights packed
+    afterwards."""
+    global _f32_on
+    _f32_on = on
+
+
+def bf16_matmul_available() -> bool:
+    """Whether the bf16 panel matmul runs here: built for a CPU with AVX512-BF16 (its AMX loop
+    also needs AMX, granted by the OS)."""
+    lib = load()
+    return lib is not None and lib.matmul_bf16_path() > 0
+
+
+def f32_matmul_available() -> bool:
+    """Whether the fp32 panel matmul runs here: built for a CPU with AVX-512."""
+    lib = load()
+    return lib is not None and bool(lib.matmul_f32_available())
+
+
+def bf16_matmul_paths() -> list[str]:
+    """The loops of the bf16 panel matmul this machine runs: "dot" (vdpbf16ps) wherever the
+    matmul runs, "amx" where AMX is granted too."""
+    lib = load()
+    if lib is None or lib.matmul_bf16_path() == 0:
+        return []
+    return ["dot"] + (["amx"] if lib.matmul_amx_available() else [])
+
+
+def set_bf16_matmul_path(path: str) -> None:
+    """Run the bf16 panel matmul on `path` ("amx", the default, which is the dot loop where AMX
+    does not run; or "dot"), for checking and comparing the two on one machine; takes effect
+    at the next call."""
+    if path not in ("amx", "dot"):
+        raise ValueError(f"bf16 matmul path must be 'amx' or 'dot', got {path!r}")
+    lib = load()
+    if lib is not None:
+        lib.set_matmul_bf16_dot(int(path == "dot"))
+
+
+# By weight dtype: the C prefix, and whether its panels may be packed and run here.
+_KERNELS = {torch.bfloat16: ("matmul_bf16", lambda: _bf16_on and bf16_matmul_available()),
+            torch.float32: ("matmul_f32", lambda: _f32_on and f32_matmul_available())}
+
+
+def _pack(weight: torch.Tensor, dtype: torch.dtype, gate_up: bool,
+          empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]) -> torch.Tensor | None:
+    if (weight.device.type != "cpu" or weight.dtype != dtype or weight.dim() != 2
+            or not _KERNELS[dtype][1]()):
+        return None
+    n, k = weight.shape
+    if n % 32 or (dtype == torch.bfloat16 and k % 32):  # (bf16 panels step K in pairs of 16)
+        return None
+    weight = weight.detach().contiguous()
+    packed = empty((n * k,), dtype=dtype)
+    rc = _function(_KERNELS[dtype][0] + "_pack", None)(weight.data_ptr(), n, k, int(gate_up),
+                                                       packed.data_ptr())
+    assert rc == 0, rc
+    return packed
+
+
+def pack_bf16_weight(weight: torch.Tensor, gate_up: bool = False,
+                     empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] = torch.empty,
+                     ) -> torch.Tensor | None:
+    """A bf16 weight [N, K] on the CPU rearranged for `bf16_linear` (same size, in memory from
+    `empty(shape, dtype)`), or None where that does not run: no AVX512-BF16, another dtype or
+    device, N or K not a multiple of 32. With `gate_up` the weight is [gate; up] and the matmul
+    returns SiLU(gate) * up."""
+    return _pack(weight, torch.bfloat16, gate_up, empty)
+
+
+def pack_f32_weight(weight: torch.Tensor, gate_up: bool = False,
+                    empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] = torch.empty,
+                    ) -> torch.Tensor | None:
+    """As `pack_bf16_weight`, for an fp32 weight and `f32_linear` (AVX-512)."""
+    return _pack(weight, torch.float32, gate_up, empty)
+
+
+def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+            out_features: int, gate_up: bool) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias), W panels of x's dtype. (Called ~200 times a decode step: the
+    checks are the ones the C code cannot make.)"""
+    dtype = packed.dtype
+    name = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    num_rows, k = rows.shape
+    if x.dtype != dtype or packed.numel() != out_features * k:
+        raise ValueError(f"{name} matmul: x {tuple(x.shape)} {x.dtype} does not fit a packed "
+                         f"weight of {out_features} x {packed.numel() // out_features}")
+    if bias is not None and (bias.dtype != dtype or bias.shape != (out_features,)
+                             or bias.stride(0) != 1):
+        raise ValueError(f"{name} matmul: bias must be contiguous {name} [{out_features}]")
+    out = torch.empty(num_rows, out_features // 2 if gate_up else out_features, dtype=dtype)
+    rc = _function(_KERNELS[dtype][0], None)(
+        rows.data_ptr(), rows.stride(0), num_rows, packed.data_ptr(),
+        _ptr(bias), out_features, k, gate_up, out.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"{name} matmul cannot run [{num_rows}, {k}] x [{out_features}, {k}]^T "
+                           f"(error {rc})")
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[1])
+
+
+def bf16_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                out_features: int, gate_up: bool = False) -> torch.Tensor:
+    """x [..., K] bf16 @ W^T (+ bias) with W packed by `pack_bf16_weight`: [..., out_features],
+    or [..., out_features / 2] = SiLU(gate) * up for a `gate_up` weight."""
+    if packed.dtype != torch.bfloat16:
+        raise ValueError(f"bf16 matmul: the packed weight is {packed.dtype}")
+    return _linear(x, packed, bias, out_features, gate_up)
+
+
+def f32_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+               out_features: int, gate_up: bool = False) -> torch.Tensor:
+    """As `bf16_linear`, fp32, with W packed by `pack_f32_weight`."""
+    if packed.dtype != torch.float32:
+        raise ValueError(f"fp32 matmul: the packed weight is {packed.dtype}")
+    return _linear(x, packed, bias, out_features, gate_up)

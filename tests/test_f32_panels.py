@@ -1,0 +1,129 @@
+"""The fp32 panel matmul (kernels/cpu/matmul_f32.c): x W^T (+ bias), and SiLU(gate) * up for a
+gate/up weight, against torch at the row counts of decode steps and prompts; what it does not
+take goes to oneDNN or MKL; the Linear modules take it where the fp32 layout says panels."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu as cpu_kernels
+from services.worker.models import linear as linear_module
+from services.worker.models.linear import Linear, SiluAndMulLinear, linear, pack_weight
+from tests.test_cpu_kernels import silu_and_mul
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.f32_matmul_available(),
+                                reason="the fp32 panel matmul needs a CPU with AVX-512 (and the "
+                                       "C kernels built)")
+
+
+@pytest.fixture
+def panels_layout():
+    """fp32 weights packed into panels for one test; the process's layout put back after."""
+    before = linear_module._fp32_layout
+    linear_module.set_fp32_layout("panels")
+    yield
+    linear_module.set_fp32_layout(before)
+
+
+def close(out: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Equal up to the summation order: relative to the row's largest value."""
+    scale = expected.abs().amax(-1, keepdim=True).clamp_min(1e-6)
+    return bool(((out - expected).abs() / scale).max() < 1e-5)
+
+
+@pytest.mark.parametrize("gate_up", [False, True], ids=["plain", "gate_up"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+@pytest.mark.parametrize("k", [32, 40, 576])
+def test_f32_panel_linear_equals_f_linear(k, bias, gate_up):
+    g = torch.Generator().manual_seed(k + 2 * bias + gate_up)
+    n = 96
+    weight = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    packed = cpu_kernels.pack_f32_weight(weight, gate_up=gate_up)
+    assert packed is not None and packed.numel() == n * k
+    for rows in (1, 7, 8, 9, 31, 64, 255, 257, 600):
+        wide = torch.randn(rows, k + 16, generator=g)
+        for x in (wide[:, :k].contiguous(), wide[:, 16:16 + k]):  # the second at a row stride
+            out = cpu_kernels.f32_linear(x, packed, b, n, gate_up)
+            expected = F.linear(x, weight, b)
+            if gate_up:
+                expected = silu_and_mul(expected)
+            assert out.shape == expected.shape and out.dtype == torch.float32
+            assert not out.isnan().any()
+            assert close(out, expected), rows
+
+
+def test_f32_panel_silu_and_mul_at_the_extremes():
+    """Gates far into SiLU's tails (exp overflowing and underflowing) and at zero: identity
+    weights make the gate and up halves equal x, so the result is SiLU(x) * x."""
+    eye = torch.eye(32)
+    weight = torch.cat((eye, eye))  # [gate; up], both the identity
+    values = torch.tensor([-3e38, -200.0, -104.0, -90.0, -88.0, -20.0, -1.0, -0.5, 0.0, 0.5, 1.0,
+                           20.0, 88.0, 90.0, 200.0, 1e30])
+    x = torch.cat((values, -values)).unsqueeze(0)
+    out = cpu_kernels.f32_linear(x, cpu_kernels.pack_f32_weight(weight, gate_up=True), None, 64,
+                                 True)
+    expected = F.silu(x) * x
+    assert torch.equal(out.isinf(), expected.isinf())
+    assert torch.equal(out.isnan(), expected.isnan())
+    finite = expected.isfinite()
+    assert torch.allclose(out[finite], expected[finite], rtol=1e-6, atol=0)
+
+
+def test_f32_panel_linear_keeps_leading_dims_and_refuses_what_does_not_fit():
+    g = torch.Generator().manual_seed(6)
+    weight = torch.randn(64, 32, generator=g)
+    packed = cpu_kernels.pack_f32_weight(weight)
+    x = torch.randn(3, 5, 32, generator=g)
+    out = cpu_kernels.f32_linear(x, packed, None, 64)
+    assert out.shape == (3, 5, 64) and close(out, F.linear(x, weight))
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu_kernels.f32_linear(torch.randn(4, 64), packed, None, 64)
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu_kernels.f32_linear(torch.randn(4, 32).to(torch.bfloat16), packed, None, 64)
+    with pytest.raises(ValueError, match="bias"):
+        cpu_kernels.f32_linear(torch.randn(4, 32), packed, torch.randn(63), 64)
+    with pytest.raises(ValueError, match="packed weight is"):
+        cpu_kernels.f32_linear(torch.randn(4, 32), packed.to(torch.bfloat16), None, 64)
+
+
+def test_f32_panels_take_fp32_weights_of_whole_panels_only():
+    assert cpu_kernels.pack_f32_weight(torch.randn(48, 64)) is None  # N not a multiple of 32
+    assert cpu_kernels.pack_f32_weight(torch.randn(64, 64).to(torch.bfloat16)) is None
+    assert cpu_kernels.pack_f32_weight(torch.randn(64, 64, device="meta")) is None
+    cpu_kernels.set_f32_matmul(False)
+    try:
+        assert cpu_kernels.pack_f32_weight(torch.randn(64, 64)) is None
+    finally:
+        cpu_kernels.set_f32_matmul(True)
+
+
+@pytest.mark.parametrize("gate_up", [False, True], ids=["plain", "gate_up"])
+def test_fp32_layer_weights_packed_into_panels_where_that_layout_is_chosen(gate_up,
+                                                                           panels_layout):
+    g = torch.Generator().manual_seed(3)
+    cls = SiluAndMulLinear if gate_up else Linear
+    layer = cls(64, 96, bias=True, dtype=torch.float32)
+    layer.weight.data.copy_(torch.randn(96, 64, generator=g))
+    layer.bias.data.copy_(torch.randn(96, generator=g))
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    layer.pack()
+    assert layer.packed.kind == "f32" and layer.packed.gate_up == gate_up
+    assert layer.weight.device.type == "meta"  # the plain copy is dropped
+    for rows in (1, 5, 64, 300):
+        x = torch.randn(rows, 64, generator=g)
+        expected = F.linear(x, weight, bias)
+        if gate_up:
+            expected = silu_and_mul(expected)
+        assert close(layer(x), expected), rows
+
+
+def test_fp32_lm_head_takes_panels_where_that_is_the_layout(panels_layout):
+    g = torch.Generator().manual_seed(2)
+    weight = torch.randn(1024, 64, generator=g)
+    packed = pack_weight(weight, (torch.bfloat16, torch.float32))
+    assert packed.kind == "f32"
+    x = torch.randn(3, 64, generator=g)
+    assert close(linear(x, weight, None, packed), F.linear(x, weight))
+    # A shape the panels do not take goes to oneDNN, as with another layout.
+    assert pack_weight(torch.randn(1000, 64, generator=g),
+                       (torch.bfloat16, torch.float32)).kind == "onednn"
