@@ -32,6 +32,17 @@ void set_attention_simd(int on) { pagoda_attention_simd = on; }
 #include "avx512.h"
 
 #define TILE 16
+/* Prefetches go FETCH_AHEAD tokens ahead, into L2 (locality 2: prefetcht1). Into L1 they held
+ * the core's few L1 miss buffers while the tile's own loads queued behind them: in a bare loop
+ * (30 layers, batch 64, context 192, scattered blocks) T1 took 13-15 ms a step in bf16 where T0
+ * took 19-21, and 27-32 ms in fp32 where T0 took 37-46, at block sizes 16, 32 and 128; 32 tokens
+ * ahead measured the same as 16, 48 slower. Both are -D knobs for measuring other CPUs. */
+#ifndef FETCH_LOCALITY
+#define FETCH_LOCALITY 2
+#endif
+#ifndef FETCH_AHEAD
+#define FETCH_AHEAD 16
+#endif
 #define ITEM_HEADS 16 /* query heads per work item at most: bounds each item's stack frame */
 
 /* A row of nd * 16 values (a query head or a cached key) as float vectors. (Multiplying bf16
@@ -52,26 +63,26 @@ static inline __attribute__((always_inline)) void row_bf16(__m512 *dst, const ui
     for (int j = 0; j < nd; j++) dst[j] = load16_bf16(src + j * TILE);
 }
 
-/* Where the rows 16 tokens after tile t0 of a block start (the block at `base`) lie: further on
- * in the same block, or at the start of the next one (`next`, -1 when the sequence ends first).
- * Fetching them while the tile computes hides DRAM latency behind a tile's work; a burst of
- * prefetches for a whole block at once measured slower than none at all (it floods the fill
- * buffers), and with scattered blocks the hardware prefetcher loses the stream at every block
- * edge. Returns -1 when there is nothing to fetch. */
-static inline int64_t tile_ahead(int t0, int block_size, int64_t base, int64_t next,
-                                 int64_t token_stride) {
-    return t0 + TILE < block_size ? base + (int64_t)(t0 + TILE) * token_stride : next;
+/* Where the cached row of token `token` lies (in elements from the cache's start, its first KV
+ * head), or -1 past the sequence's end. A tile fetches the rows FETCH_AHEAD tokens after its own
+ * while it computes, which hides DRAM latency behind the work between; a burst of prefetches
+ * for a whole block at once measured slower than none at all (it floods the fill buffers), and
+ * with scattered blocks the hardware prefetcher loses the stream at every block edge. */
+static inline int64_t row_ahead(const int64_t *table, int64_t token, int64_t len, int block_size,
+                                int64_t block_stride, int64_t token_stride) {
+    if (token >= len) return -1;
+    return table[token / block_size] * block_stride + (token % block_size) * token_stride;
 }
 
-/* Prefetches the `bytes` of a cached row (into L1) at byte `offset` from `cache`, unless
- * `ahead` (tile_ahead's answer) says there is none. The last byte too: an int8 row (its scale
+/* Prefetches the `bytes` of a cached row (into L2, FETCH_LOCALITY) at byte `offset` from `cache`, unless
+ * `ahead` (row_ahead's answer) says there is none. The last byte too: an int8 row (its scale
  * after the values) is not a whole number of lines and need not start on one. */
 static inline __attribute__((always_inline)) void fetch_row(const void *cache, int64_t ahead,
                                                             int64_t offset, int bytes) {
     if (ahead < 0) return;
     const char *row = (const char *)cache + offset;
-    for (int c = 0; c < bytes; c += 64) __builtin_prefetch(row + c);
-    __builtin_prefetch(row + bytes - 1);
+    for (int c = 0; c < bytes; c += 64) __builtin_prefetch(row + c, 0, FETCH_LOCALITY);
+    __builtin_prefetch(row + bytes - 1, 0, FETCH_LOCALITY);
 }
 
 static inline void store16_f32(float *dst, __m512 x) { _mm512_storeu_ps(dst, x); }
@@ -122,8 +133,6 @@ static void NAME(const T *query, const T *key_cache, const T *value_cache,      
     for (int64_t start = 0; start < len; start += block_size) {                                    \
         const int in_block = (int)(len - start < block_size ? len - start : block_size);           \
         const int64_t base = table[start / block_size] * block_stride;                             \
-        const int64_t next = start + block_size < len                                              \
-                                 ? table[start / block_size + 1] * block_stride : -1;              \
         for (int kh = 0; kh < kv_heads; kh++) {                                                    \
             __m512 q[G][ND], acc[G][ND];                                                           \
             float run_max[G], run_sum[G];                                                          \
@@ -137,7 +146,8 @@ static void NAME(const T *query, const T *key_cache, const T *value_cache,      
             }                                                                                      \
             for (int t0 = 0; t0 < in_block; t0 += TILE) {                                          \
                 const int n = in_block - t0 < TILE ? in_block - t0 : TILE;                         \
-                const int64_t ahead = tile_ahead(t0, block_size, base, next, token_stride);        \
+                const int64_t ahead = row_ahead(table, start + t0 + FETCH_AHEAD, len, block_size,  \
+                                                block_stride, token_stride);                       \
                 const T *k_rows = key_cache + base + t0 * token_stride + kh * ND * TILE;           \
                 const T *v_rows = value_cache + base + t0 * token_stride + kh * ND * TILE;         \
                 /* Scores: per head a vector of partial products per token, one reduction. */      \
@@ -302,8 +312,6 @@ static void NAME(const T *query, const uint8_t *key_cache, const uint8_t *value_
     for (int64_t start = 0; start < len; start += block_size) {                                    \
         const int in_block = (int)(len - start < block_size ? len - start : block_size);           \
         const int64_t base = table[start / block_size] * block_stride;                             \
-        const int64_t next = start + block_size < len                                              \
-                                 ? table[start / block_size + 1] * block_stride : -1;              \
         for (int kh = 0; kh < kv_heads; kh++) {                                                    \
             __m512 q[G][ND], acc[G][ND];                                                           \
             float run_max[G], run_sum[G];                                                          \
@@ -317,7 +325,8 @@ static void NAME(const T *query, const uint8_t *key_cache, const uint8_t *value_
             }                                                                                      \
             for (int t0 = 0; t0 < in_block; t0 += TILE) {                                          \
                 const int n = in_block - t0 < TILE ? in_block - t0 : TILE;                         \
-                const int64_t ahead = tile_ahead(t0, block_size, base, next, token_stride);        \
+                const int64_t ahead = row_ahead(table, start + t0 + FETCH_AHEAD, len, block_size,  \
+                                                block_stride, token_stride);                       \
                 const uint8_t *k_rows = key_cache + base + t0 * token_stride + kh * row_bytes;     \
                 const uint8_t *v_rows = value_cache + base + t0 * token_stride + kh * row_bytes;   \
                 __m512 partial[G][TILE];                                                           \
