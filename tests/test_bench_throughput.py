@@ -375,3 +375,25 @@ def test_wait_until_idle_waits_for_a_busy_process_tree_to_go_quiet():
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_yardstick_times_the_panel_matmul_too_where_it_runs(dtype, monkeypatch):
+    """On the CPU the yardstick is the faster of torch's matmul and the project's panel matmul
+    (torch's fp32 matmul runs well below the panels on some CPUs); both are timed."""
+    from kernels import cpu as cpu_kernels
+    name = "f32_linear" if dtype == torch.float32 else "bf16_linear"
+    available = (cpu_kernels.f32_matmul_available() if dtype == torch.float32
+                 else cpu_kernels.bf16_matmul_available())
+    if not available:
+        pytest.skip(f"no {dtype} panel matmul on this CPU")
+    calls = []
+    real = getattr(cpu_kernels, name)
+
+    def counted(x, packed, bias, n):
+        out = real(x, packed, bias, n)
+        calls.append(out.shape)
+        return out
+    monkeypatch.setattr(cpu_kernels, name, counted)
+    assert yardstick.matmul_gflops(dtype, torch.device("cpu"), n=64, seconds=0.05) > 0
+    assert calls and calls[0] == (64, 64)
