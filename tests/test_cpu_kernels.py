@@ -548,10 +548,13 @@ def test_fp32_layer_weights_are_stored_transposed_where_that_layout_is_chosen(fp
     assert torch.allclose(layer(x), expected, atol=1e-6)
 
 
+@pytest.mark.parametrize("layout", ["onednn", "panels"])
 @pytest.mark.parametrize("gate_up", [False, True])
-def test_fp32_layer_weights_packed_for_onednn_where_that_layout_is_chosen(gate_up,
-                                                                          fp32_layout_set):
-    fp32_layout_set("onednn")
+def test_fp32_layer_weights_packed_as_the_chosen_layout(gate_up, layout, fp32_layout_set):
+    """oneDNN's packing (SiLU * up after it) or the fp32 panels (SiLU * up fused)."""
+    if layout == "panels" and not cpu_kernels.f32_matmul_available():
+        pytest.skip("the fp32 panel matmul needs a CPU with AVX-512")
+    fp32_layout_set(layout)
     g = torch.Generator().manual_seed(3)
     cls = SiluAndMulLinear if gate_up else Linear
     layer = cls(64, 96, bias=True, dtype=torch.float32)
@@ -559,14 +562,15 @@ def test_fp32_layer_weights_packed_for_onednn_where_that_layout_is_chosen(gate_u
     layer.bias.data.copy_(torch.randn(96, generator=g))
     weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
     layer.pack()
-    assert layer.packed.kind == "onednn" and not layer.packed.gate_up
+    assert layer.packed.kind == ("f32" if layout == "panels" else "onednn")
+    assert layer.packed.gate_up == (gate_up and layout == "panels")
     assert layer.weight.device.type == "meta"  # the plain copy is dropped
     for rows in (1, 5, 64, 300):
         x = torch.randn(rows, 64, generator=g)
         expected = F.linear(x, weight, bias)
         if gate_up:
             expected = silu_and_mul(expected)
-        assert torch.allclose(layer(x), expected, atol=1e-5), rows
+        assert torch.allclose(layer(x), expected, rtol=1e-5, atol=1e-5), rows
 
 
 def test_fp32_layout_is_measured_once_and_kept(fp32_layout_set):

@@ -1,13 +1,14 @@
 """The fp32 panel matmul (kernels/cpu/matmul_f32.c): x W^T (+ bias), and SiLU(gate) * up for a
 gate/up weight, against torch at the row counts of decode steps and prompts; what it does not
-take goes to oneDNN or MKL; the Linear modules take it where the fp32 layout says panels."""
+take goes to oneDNN; the LM head takes it where the fp32 layout says panels (the layer modules:
+tests/test_cpu_kernels.py, test_fp32_layer_weights_packed_as_the_chosen_layout)."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kernels import cpu as cpu_kernels
 from services.worker.models import linear as linear_module
-from services.worker.models.linear import Linear, SiluAndMulLinear, linear, pack_weight
+from services.worker.models.linear import linear, pack_weight
 from tests.test_cpu_kernels import silu_and_mul
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.f32_matmul_available(),
@@ -95,26 +96,6 @@ def test_f32_panels_take_fp32_weights_of_whole_panels_only():
         assert cpu_kernels.pack_f32_weight(torch.randn(64, 64)) is None
     finally:
         cpu_kernels.set_f32_matmul(True)
-
-
-@pytest.mark.parametrize("gate_up", [False, True], ids=["plain", "gate_up"])
-def test_fp32_layer_weights_packed_into_panels_where_that_layout_is_chosen(gate_up,
-                                                                           panels_layout):
-    g = torch.Generator().manual_seed(3)
-    cls = SiluAndMulLinear if gate_up else Linear
-    layer = cls(64, 96, bias=True, dtype=torch.float32)
-    layer.weight.data.copy_(torch.randn(96, 64, generator=g))
-    layer.bias.data.copy_(torch.randn(96, generator=g))
-    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
-    layer.pack()
-    assert layer.packed.kind == "f32" and layer.packed.gate_up == gate_up
-    assert layer.weight.device.type == "meta"  # the plain copy is dropped
-    for rows in (1, 5, 64, 300):
-        x = torch.randn(rows, 64, generator=g)
-        expected = F.linear(x, weight, bias)
-        if gate_up:
-            expected = silu_and_mul(expected)
-        assert close(layer(x), expected), rows
 
 
 def test_fp32_lm_head_takes_panels_where_that_is_the_layout(panels_layout):
