@@ -600,7 +600,8 @@ def test_faster_fp32_layout_prefers_panels_then_transposed_on_a_tie():
         faster({})
 
 
-def test_fp32_lm_head_packing_equals_f_linear():
+def test_fp32_lm_head_packing_equals_f_linear(fp32_layout_set):
+    fp32_layout_set("transposed")  # the layers' layout; the head is packed for oneDNN anyway
     g = torch.Generator().manual_seed(2)
     weight = torch.randn(1000, 64, generator=g)
     assert pack_weight(weight) is None  # only when asked for fp32

@@ -1,7 +1,7 @@
 """The C layer blocks (kernels/cpu/blocks.c, services/worker/models/layer_blocks.py): a tiny
 Llama with each kind of packed weight (bf16 or fp32 panels, int8, w8a8, GGUF Q8_0 / Q4_0 / Q4_1)
-and bf16 or fp32 activations gives the same logits, to the bit, whether a decode step runs as one C call,
-its layers as two calls each, or module by module; and what does not fit is refused before the
+and bf16 or fp32 activations gives the same logits, to the bit, whether a decode step runs as one
+C call, its layers as two calls each, or module by module; and what does not fit is refused before the
 C code reads it."""
 import numpy as np
 import pytest
@@ -24,7 +24,8 @@ if cpu_kernels.load() is None:
     pytest.skip(f"cpu kernels unavailable: {cpu_kernels.unavailable_reason()}",
                 allow_module_level=True)
 
-KINDS = ["bf16", "bf16-dot", "f32", "int8", "w8a8", "Q8_0", "Q4_0", "Q4_1", "Q4_K"]  # bf16: default loop
+# bf16: the default loop; f32: fp32 panels.
+KINDS = ["bf16", "bf16-dot", "f32", "int8", "w8a8", "Q8_0", "Q4_0", "Q4_1", "Q4_K"]
 CONFIG = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2)
 K_CONFIG = dict(hidden_size=256, intermediate_size=256, num_hidden_layers=2)  # Q4_K: K of 256s
 

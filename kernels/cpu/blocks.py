@@ -4,8 +4,8 @@ activations and any weight the CPU matmuls take (bf16 or fp32 panels, int8 / w8a
 panels).
 
 Each matmul weight is described once, after loading, by a `BlockLinear` (`bf16_block_linear`,
-`f32_block_linear`, `int8_block_linear`, `gguf_block_linear`): its arrays' addresses and shapes, checked here when
-it is built, since the C code trusts them. Each call checks only what changes per step: the
+`f32_block_linear`, `int8_block_linear`, `gguf_block_linear`): its arrays' addresses and
+shapes, checked here when it is built, since the C code trusts them. Each call checks only what changes per step: the
 activations' shapes, dtypes and layout."""
 import ctypes
 from dataclasses import dataclass
@@ -113,6 +113,8 @@ def _panel_block_linear(kind: int, dtype: torch.dtype, packed: torch.Tensor, n: 
     what = f"{'bf16' if dtype == torch.bfloat16 else 'fp32'} block weight"
     if packed.dtype != dtype or packed.numel() != n * k or not packed.is_contiguous():
         raise ValueError(f"{what}: {packed.numel()} {packed.dtype} values for [{n}, {k}]")
+    if n % 32 or (dtype == torch.bfloat16 and k % 32):  # what the panels take (panels.py)
+        raise ValueError(f"{what}: [{n}, {k}] is not a whole number of panels")
     _check_bias(what, bias, n, dtype)
     return _linear(kind, n, k, dtype, gate_up, bias, (packed,), data=packed.data_ptr())
 

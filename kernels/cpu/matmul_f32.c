@@ -29,7 +29,7 @@
 #include "avx512.h"
 
 #define PANEL 32          /* output columns per panel */
-#define ROW_CHUNK 256     /* rows whose x stays in L2 while every panel passes */
+#define ROW_CHUNK 256     /* rows a thread takes against its panels before the next chunk */
 #define ROWS 8            /* rows per block: 16 accumulator vectors */
 #ifndef PREFETCH_K
 #define PREFETCH_K 32     /* K values (4 KiB of panel) the first block fetches ahead */
@@ -60,7 +60,8 @@ static inline __m512 bias16(const float *bias) {
 static inline void write_row(__m512 acc0, __m512 acc1, const float *bias, int64_t p, int64_t n,
                              int gate_up, float *y_row) {
     if (!gate_up) {
-        _mm512_storeu_ps(y_row + p * PANEL, _mm512_add_ps(acc0, bias16(bias ? bias + p * PANEL : 0)));
+        _mm512_storeu_ps(y_row + p * PANEL,
+                         _mm512_add_ps(acc0, bias16(bias ? bias + p * PANEL : 0)));
         _mm512_storeu_ps(y_row + p * PANEL + 16,
                          _mm512_add_ps(acc1, bias16(bias ? bias + p * PANEL + 16 : 0)));
         return;

@@ -43,6 +43,9 @@ void set_attention_simd(int on) { pagoda_attention_simd = on; }
 #ifndef FETCH_AHEAD
 #define FETCH_AHEAD 16
 #endif
+/* A tile's rows are fetched from the first one's place on: whole tiles ahead keep them in one
+ * block at every block size (8 to 128). */
+_Static_assert(FETCH_AHEAD % TILE == 0, "FETCH_AHEAD must be a multiple of TILE");
 #define ITEM_HEADS 16 /* query heads per work item at most: bounds each item's stack frame */
 
 /* A row of nd * 16 values (a query head or a cached key) as float vectors. (Multiplying bf16
@@ -65,6 +68,7 @@ static inline __attribute__((always_inline)) void row_bf16(__m512 *dst, const ui
 
 /* Where the cached row of token `token` lies (in elements from the cache's start, its first KV
  * head), or -1 past the sequence's end. A tile fetches the rows FETCH_AHEAD tokens after its own
+ * (the first looked up in the block table, the others after it in that block)
  * while it computes, which hides DRAM latency behind the work between; a burst of prefetches
  * for a whole block at once measured slower than none at all (it floods the fill buffers), and
  * with scattered blocks the hardware prefetcher loses the stream at every block edge. */

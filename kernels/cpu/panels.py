@@ -96,7 +96,9 @@ def pack_bf16_weight(weight: torch.Tensor, gate_up: bool = False,
 def pack_f32_weight(weight: torch.Tensor, gate_up: bool = False,
                     empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] = torch.empty,
                     ) -> torch.Tensor | None:
-    """As `pack_bf16_weight`, for an fp32 weight and `f32_linear` (AVX-512)."""
+    """An fp32 weight [N, K] on the CPU rearranged for `f32_linear` (same size, in memory from
+    `empty(shape, dtype)`), or None where that does not run: no AVX-512, another dtype or
+    device, N not a multiple of 32 (any K). With `gate_up`, as `pack_bf16_weight`."""
     return _pack(weight, torch.float32, gate_up, empty)
 
 

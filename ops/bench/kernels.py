@@ -28,7 +28,7 @@ def _cases(hf, dtype: torch.dtype, batch: int, context: int, block_size: int) ->
     """name -> (torch op over all layers, kernel op over all layers)."""
     from kernels import cpu
     from kernels.reference import paged_decode_attention
-    from services.worker.models.linear import pack_weight
+    from services.worker.models.linear import fp32_layout, pack_weight
 
     layers = hf.num_hidden_layers
     heads, kv_heads = hf.num_attention_heads, hf.num_key_value_heads
@@ -80,11 +80,16 @@ def _cases(hf, dtype: torch.dtype, batch: int, context: int, block_size: int) ->
               (2 * inter, hidden), (hidden, inter)]
     weights = [[randn(*s) for s in shapes] for _ in range(layers)]
     head = randn(vocab, hidden)
+    # As Linear.pack prepares them: fp32 weights in the layout this CPU runs fastest (panels or
+    # oneDNN packed, else [in, out]), the gate/up weight with SiLU * up fused where it can be.
+    dtypes = (torch.bfloat16,)
+    if dtype == torch.float32 and fp32_layout() in ("panels", "onednn"):
+        dtypes = (torch.bfloat16, torch.float32)
     prepared = []
     for layer in weights:
-        packed = [pack_weight(w) for w in layer]
-        if dtype == torch.float32:  # what Linear.pack does to fp32 weights
-            layer = [w.t().contiguous().t() for w in layer]
+        packed = [pack_weight(w, dtypes, gate_up=i == 2) for i, w in enumerate(layer)]
+        layer = [w.t().contiguous().t() if p is None and dtype == torch.float32 else w
+                 for w, p in zip(layer, packed)]
         prepared.append(list(zip(layer, packed)))
     head_packed = pack_weight(head, (torch.bfloat16, torch.float32))
     inputs = {hidden: randn(batch, hidden), heads * head_dim: randn(batch, heads * head_dim),

@@ -3,8 +3,8 @@
 `decode_step` a whole decode step's layers, attention included, in one call.
 
 The blocks take every packed weight the CPU matmuls take: bf16 or fp32 panels (activations of
-their dtype), int8 / w8a8 panels and GGUF panels (bf16 or fp32 activations). A model some of whose matmuls
-are not packed so (oneDNN, fp32 [in, out], a GPU) runs module by module. GGUF weights run their
+their dtype), int8 / w8a8 panels and GGUF panels (bf16 or fp32 activations). A model some of
+whose matmuls are not packed so (oneDNN, fp32 [in, out], a GPU) runs module by module. GGUF weights run their
 quantized kernel at any row count here, so a step of more than gguf_weights.KERNEL_MAX_ROWS
 tokens (where a dequantized temporary and the dense matmul are faster) runs module by module
 too, as does a speculative step whose quantized matmuls the modules split (`LayerBlocks.runs`)."""

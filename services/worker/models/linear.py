@@ -18,7 +18,8 @@
   oneDNN's packed matmul was 1.3-2.3x faster than MKL at batch 64, and the panels about even
   with oneDNN cache-warm and 5-15% faster with the weights streamed from memory, as in a
   decode step. The LM head, which only ever sees the sampled rows, is packed in fp32 either
-  way: panels where that is the layout, else oneDNN (1.3x over MKL on the Xeons).
+  way: panels where that is the layout, else oneDNN (1.3x over MKL on the Xeons). Where panels
+  are the layout, a weight they do not take (N not a multiple of 32) is packed for oneDNN.
 The panel-packed weights and the [in, out] fp32 copies live on huge pages
 (services/worker/host_memory.py).
 - `--quantization int8` / `w8a8` (any dtype, on the CPU): int8 weights and per-row scales in
@@ -226,8 +227,8 @@ class Linear(nn.Module):
 
 class SiluAndMulLinear(Linear):
     """The gate and up projections as one weight [gate; up], returning SiLU(x Wg^T) * (x Wu^T):
-    in the matmul's epilogue with the bf16 panel kernel (the [T, 2 * intermediate] product is never
-    written), after it otherwise."""
+    in the matmul's epilogue with the bf16 or fp32 panels and the int8 kernels (the
+    [T, 2 * intermediate] product is never written), after it otherwise."""
 
     gate_up = True
 
