@@ -28,7 +28,7 @@ def _cases(hf, dtype: torch.dtype, batch: int, context: int, block_size: int) ->
     """name -> (torch op over all layers, kernel op over all layers)."""
     from kernels import cpu
     from kernels.reference import paged_decode_attention
-    from services.worker.models.linear import fp32_layout, pack_weight
+    from services.worker.models.linear import Linear, SiluAndMulLinear, pack_weight
 
     layers = hf.num_hidden_layers
     heads, kv_heads = hf.num_attention_heads, hf.num_key_value_heads
@@ -75,37 +75,39 @@ def _cases(hf, dtype: torch.dtype, batch: int, context: int, block_size: int) ->
         for _ in range(layers):
             cpu.rotary_(qk, positions, cos_sin)
 
-    # Matmuls: each layer's four weights and the LM head, as loaded vs prepared.
+    # Matmuls: each layer's four weights (SiLU * up after gate/up) and the LM head, as loaded vs
+    # prepared.
     shapes = [(heads * head_dim + 2 * kv_heads * head_dim, hidden), (hidden, heads * head_dim),
               (2 * inter, hidden), (hidden, inter)]
     weights = [[randn(*s) for s in shapes] for _ in range(layers)]
     head = randn(vocab, hidden)
-    # As Linear.pack prepares them: fp32 weights in the layout this CPU runs fastest (panels or
-    # oneDNN packed, else [in, out]), the gate/up weight with SiLU * up fused where it can be.
-    dtypes = (torch.bfloat16,)
-    if dtype == torch.float32 and fp32_layout() in ("panels", "onednn"):
-        dtypes = (torch.bfloat16, torch.float32)
-    prepared = []
-    for layer in weights:
-        packed = [pack_weight(w, dtypes, gate_up=i == 2) for i, w in enumerate(layer)]
-        layer = [w.t().contiguous().t() if p is None and dtype == torch.float32 else w
-                 for w, p in zip(layer, packed)]
-        prepared.append(list(zip(layer, packed)))
+    # As the model's modules hold them (Linear.pack: the layout this CPU runs fastest, the
+    # gate/up weight with SiLU * up fused where the kernel has it; modules that do not fuse it
+    # apply it after the matmul, so the torch side does too).
+    def module(w: torch.Tensor, gate_up: bool = False) -> Linear:
+        m = (SiluAndMulLinear if gate_up else Linear)(w.shape[1], w.shape[0], False, dtype)
+        m.weight.data.copy_(w)
+        m.pack()
+        return m
+    modules = [[module(w, gate_up=i == 2) for i, w in enumerate(layer)] for layer in weights]
     head_packed = pack_weight(head, (torch.bfloat16, torch.float32))
     inputs = {hidden: randn(batch, hidden), heads * head_dim: randn(batch, heads * head_dim),
               inter: randn(batch, inter)}
 
     def torch_matmuls():
         for layer in weights:
-            for w in layer:
-                F.linear(inputs[w.shape[1]], w)
+            for i, w in enumerate(layer):
+                y = F.linear(inputs[w.shape[1]], w)
+                if i == 2:
+                    gate, up = y.chunk(2, dim=-1)
+                    F.silu(gate) * up
         F.linear(inputs[hidden], head)
 
     def kernel_matmuls():
         from services.worker.models.linear import linear
-        for layer in prepared:
-            for w, packed in layer:
-                linear(inputs[w.shape[1]], w, None, packed)
+        for layer in modules:
+            for m in layer:
+                m(inputs[m.weight.shape[1]])
         linear(inputs[hidden], head, None, head_packed)
 
     logits = randn(batch, vocab)
