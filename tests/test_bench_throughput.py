@@ -381,7 +381,7 @@ def test_wait_until_idle_waits_for_a_busy_process_tree_to_go_quiet():
 def test_the_yardstick_times_the_panel_matmul_too_where_it_runs(dtype, monkeypatch):
     """On the CPU the yardstick is the faster of torch's matmul and the project's panel matmul
     (torch's fp32 matmul runs well below the panels on some CPUs); both are timed."""
-    from kernels import cpu as cpu_kernels
+    from pagoda_kernels import cpu as cpu_kernels
     name = "f32_linear" if dtype == torch.float32 else "bf16_linear"
     available = (cpu_kernels.f32_matmul_available() if dtype == torch.float32
                  else cpu_kernels.bf16_matmul_available())

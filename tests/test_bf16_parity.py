@@ -91,7 +91,7 @@ def expected(reference_bf16, prompts):
 def turn_kernels_off(monkeypatch) -> None:
     """PAGODA_CPU_KERNELS=0: `load()` decides once per process, so its decision and the bound
     functions are reset for it to read the variable again."""
-    from kernels.cpu import bind, build
+    from pagoda_kernels.cpu import bind, build
     monkeypatch.setenv("PAGODA_CPU_KERNELS", "0")
     monkeypatch.setattr(build, "_lib", None)
     monkeypatch.setattr(build, "_failed", None)
@@ -103,7 +103,7 @@ def turn_kernels_off(monkeypatch) -> None:
 def pagoda(request, prompts):
     """(kernels mode, pagoda's outputs, what ran): one bf16 LLM per mode, built and run with the
     kernels in that state; the switch is undone afterwards (the outputs are all that is kept)."""
-    from kernels import cpu
+    from pagoda_kernels import cpu
     kernels = request.param
     with pytest.MonkeyPatch.context() as mp:
         if kernels == "off":

@@ -1,5 +1,5 @@
-"""The compiled CPU kernels (kernels/cpu) against the torch code each one stands in for:
-paged decode attention and the KV cache write against kernels/reference.py, the layer ops
+"""The compiled CPU kernels (pagoda_kernels/cpu) against the torch code each one stands in for:
+paged decode attention and the KV cache write against pagoda_kernels/reference.py, the layer ops
 against the torch path of services/worker/models/llama.py (for bfloat16 also against the
 Hugging Face rounding they copy), the packed bf16 matmuls (panels on AMX or AVX512-BF16, and
 oneDNN) against F.linear, the
@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu as cpu_kernels
-from kernels import reference
+from pagoda_kernels import cpu as cpu_kernels
+from pagoda_kernels import reference
 from services.worker.attention.base import get_attn_backend
 from services.worker.attention.torch_backend import TorchAttentionBackend
 from services.worker.model_loader import load_model
@@ -626,8 +626,8 @@ def run_python(code: str, **env) -> dict:
 
 FALLBACK = """
     import json, torch
-    from kernels import cpu
-    from kernels.cpu.build import load
+    from pagoda_kernels import cpu
+    from pagoda_kernels.cpu.build import load
     from services.worker.attention.base import get_attn_backend
     try:
         get_attn_backend("cpu", dtype=torch.bfloat16)
@@ -659,7 +659,7 @@ def test_a_broken_compiler_leaves_the_torch_ops_in_charge(tmp_path):
 
 LOAD = """
     import json, os, time, torch
-    from kernels.cpu import build
+    from pagoda_kernels.cpu import build
     start = time.perf_counter()
     lib = build.load()
     print(json.dumps(dict(loaded=lib is not None, reason=build.unavailable_reason(),

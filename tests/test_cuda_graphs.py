@@ -115,7 +115,7 @@ def test_the_captured_forward_over_padded_buffers_gives_the_eager_rows(tmp_path,
     """What a graph replays, run without one: the model over the buffers of a padded batch
     with the longest-context metadata. The capture itself needs a GPU."""
     pytest.importorskip("triton")
-    from kernels import cpu as cpu_kernels
+    from pagoda_kernels import cpu as cpu_kernels
     from services.worker.attention.triton_backend import TritonAttentionBackend
     from services.worker.model_loader import load_model
     from tests.helpers import (load_config, model_config_for, new_kv_caches, save_random_model,

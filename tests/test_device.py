@@ -74,7 +74,7 @@ def test_no_memory_left_is_zero_blocks_and_bad_arguments_are_errors():
 def test_layers_whose_weights_are_not_packed_never_build_the_cpu_kernels(monkeypatch):
     """On a GPU no weight is packed for the CPU kernels; asking whether the layer blocks run must
     then not load (compile) those kernels."""
-    from kernels import cpu as cpu_kernels
+    from pagoda_kernels import cpu as cpu_kernels
     from services.worker.models.layer_blocks import LayerBlocks
 
     def must_not_run():

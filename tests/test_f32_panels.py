@@ -1,4 +1,4 @@
-"""The fp32 panel matmul (kernels/cpu/matmul_f32.c): x W^T (+ bias), and SiLU(gate) * up for a
+"""The fp32 panel matmul (pagoda_kernels/cpu/matmul_f32.c): x W^T (+ bias), and SiLU(gate) * up for a
 gate/up weight, against torch at the row counts of decode steps and prompts; what it does not
 take goes to oneDNN; the LM head takes it where the fp32 layout says panels (the layer modules:
 tests/test_cpu_kernels.py, test_fp32_layer_weights_packed_as_the_chosen_layout)."""
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu as cpu_kernels
+from pagoda_kernels import cpu as cpu_kernels
 from services.worker.models import linear as linear_module
 from services.worker.models.linear import linear, pack_weight
 from tests.test_cpu_kernels import silu_and_mul

@@ -1,4 +1,4 @@
-"""GGUF weights kept packed (`--quantization gguf`): the kernels of kernels/cpu/matmul_gguf.c
+"""GGUF weights kept packed (`--quantization gguf`): the kernels of pagoda_kernels/cpu/matmul_gguf.c
 (both paths) against gguf's own dequantize, the default model (Q4_1) and a Q8_0 copy of it
 against the same file dequantized, and the memory a packed load holds."""
 import json
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import cpu as cpu_kernels
+from pagoda_kernels import cpu as cpu_kernels
 from pagoda import LLM
 from services.worker.models import gguf_weights
 from services.worker.models.gguf_weights import (Q4_0, Q4_1, Q4_K, Q8_0, GGUFWeight,
@@ -402,7 +402,7 @@ def test_gguf_q8_0_copy_greedy_and_perplexity_match_the_dequantized_file(q8_file
 _PEAK_SCRIPT = r"""
 import json, sys
 import torch
-from kernels import cpu as cpu_kernels
+from pagoda_kernels import cpu as cpu_kernels
 from services.worker.attention.torch_backend import TorchAttentionBackend
 from services.worker.model_loader import load_model
 from shared.config import LoadConfig, ModelConfig, load_hf_config

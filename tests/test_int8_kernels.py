@@ -1,4 +1,4 @@
-"""kernels/cpu/matmul_int8.c: every path this CPU has (weight-only int8 and w8a8) against a
+"""pagoda_kernels/cpu/matmul_int8.c: every path this CPU has (weight-only int8 and w8a8) against a
 dequantized torch reference, on a grid of shapes with K and N that are not multiples of the
 kernel's 64 / 32, outputs poisoned with NaN so that an element left unwritten shows. A path the
 CPU lacks is reported skipped."""
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu as cpu_kernels
+from pagoda_kernels import cpu as cpu_kernels
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.int8_kernels_available(),
                                 reason=f"cpu kernels unavailable: "

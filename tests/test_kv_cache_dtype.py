@@ -1,7 +1,7 @@
 """`--kv-cache-dtype`: 8-bit KV caches (fp8 e4m3 / e5m2, int8 with a scale per row).
 
 The quantization round trip's error bounds; the CPU C kernels and the Triton kernels (under the
-interpreter without a GPU) against the torch reference (kernels/reference.py) on a small grid of
+interpreter without a GPU) against the torch reference (pagoda_kernels/reference.py) on a small grid of
 shapes, with NaN in every cache slot no sequence owns and in the output buffers; block moves
 (swap, copy-on-write) keeping values and scales; the block count for a cache size; the config's
 errors; and the default model's greedy output with an fp8 cache against its model-dtype cache.
@@ -14,11 +14,11 @@ import pytest
 import torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":  # before kernels.triton is imported (as tests/conftest.py does)
+if DEVICE == "cpu":  # before pagoda_kernels.triton is imported (as tests/conftest.py does)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernels import cpu, reference  # noqa: E402
-from kernels.reference import cache_row_width, dequantize_kv, quantize_kv  # noqa: E402
+from pagoda_kernels import cpu, reference  # noqa: E402
+from pagoda_kernels.reference import cache_row_width, dequantize_kv, quantize_kv  # noqa: E402
 from services.worker.cache_engine import CacheEngine  # noqa: E402
 from shared.config import CacheConfig, ConfigError, EngineArgs  # noqa: E402
 from tests.helpers import greedy_agreement, greedy_outputs  # noqa: E402
@@ -125,7 +125,7 @@ DECODE_SHAPES = [
     (6, 2, 32, 64, [65, 1]),
 ]
 SHAPE_IDS = [f"h{h}-kv{kv}-d{d}-b{b}" for h, kv, d, b, _ in DECODE_SHAPES]
-# Enough sequences that one work item takes several KV heads (kernels/cpu/paged_attention.h).
+# Enough sequences that one work item takes several KV heads (pagoda_kernels/cpu/paged_attention.h).
 CPU_DECODE_SHAPES = DECODE_SHAPES + [(9, 3, 64, 16, [1, 5, 16, 17, 40, 3, 9, 64])]
 CPU_SHAPE_IDS = SHAPE_IDS + ["h9-kv3-d64-b16-8seqs"]
 
@@ -219,7 +219,7 @@ def _triton():
     pytest.importorskip("triton")
     if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no GPU, and TRITON_INTERPRET=1 was not set before triton was imported")
-    from kernels.triton import kv_cache, paged_attention, prefill_attention
+    from pagoda_kernels.triton import kv_cache, paged_attention, prefill_attention
     return kv_cache, paged_attention, prefill_attention
 
 

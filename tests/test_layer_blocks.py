@@ -1,4 +1,4 @@
-"""The C layer blocks (kernels/cpu/blocks.c, services/worker/models/layer_blocks.py): a tiny
+"""The C layer blocks (pagoda_kernels/cpu/blocks.c, services/worker/models/layer_blocks.py): a tiny
 Llama with each kind of packed weight (bf16 or fp32 panels, int8, w8a8, GGUF Q8_0 / Q4_0 / Q4_1)
 and bf16 or fp32 activations gives the same logits, to the bit, whether a decode step runs as one
 C call, its layers as two calls each, or module by module; and what does not fit is refused before the
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import cpu as cpu_kernels
-from kernels.reference import cache_row_width
+from pagoda_kernels import cpu as cpu_kernels
+from pagoda_kernels.reference import cache_row_width
 from services.worker.attention.base import get_attn_backend
 from services.worker.models.gguf_weights import GGUFWeight, allocate_part, fill_from_blocks
 from services.worker.models.layer_blocks import LayerBlocks

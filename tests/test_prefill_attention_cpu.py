@@ -1,5 +1,5 @@
-"""The C prefill attention for whole prompts (kernels/cpu/prefill_attention.c) against the torch
-reference (kernels.reference.causal_prefill_attention), on every path this machine runs
+"""The C prefill attention for whole prompts (pagoda_kernels/cpu/prefill_attention.c) against the torch
+reference (pagoda_kernels.reference.causal_prefill_attention), on every path this machine runs
 (portable, AVX-512, AMX for bf16), and the CPU attention backend that calls it against the
 torch backend."""
 import itertools
@@ -7,8 +7,8 @@ import itertools
 import pytest
 import torch
 
-from kernels import cpu as cpu_kernels
-from kernels import reference
+from pagoda_kernels import cpu as cpu_kernels
+from pagoda_kernels import reference
 from services.worker.attention.cpu_backend import CpuAttentionBackend
 from services.worker.attention.torch_backend import TorchAttentionBackend
 from tests.helpers import PagedBatchPlanner, PagedSequence, profile_metadata

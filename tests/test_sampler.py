@@ -67,7 +67,7 @@ def test_greedy_fast_path_equals_the_torch_path(monkeypatch, dtype):
     """All-greedy batches without penalties or logprobs take the CPU kernel (argmax and its
     logprob read straight from the logits); everything it returns matches the general path:
     strided rows, ties, rows with -inf (min_tokens masking), bf16 logits."""
-    from kernels import cpu as cpu_kernels
+    from pagoda_kernels import cpu as cpu_kernels
     g = torch.Generator().manual_seed(3)
     wide = (torch.randn(8, 50_000, generator=g) * 4).to(dtype)
     logits = wide[:, 100:40_100]  # rows 50,000 apart: a strided view

@@ -385,7 +385,7 @@ def test_quantized_matmul_rows_of_a_verifying_step_are_the_plain_steps(kind):
     """Sequences verifying 4 proposals each: 5 rows a sequence, past the row count where the
     matmul changes kernel (int8: 16, GGUF: KERNEL_MAX_ROWS) while the plain step, a row a
     sequence, stays under it. Told so, each sequence's row comes out as in the plain step."""
-    from kernels import cpu as cpu_kernels
+    from pagoda_kernels import cpu as cpu_kernels
     from services.worker.models.gguf_weights import (KERNEL_MAX_ROWS, Q8_0, GGUFWeight,
                                                      allocate_part, fill_from_float)
     from services.worker.models.linear import PackedWeight, linear, pack_weight

@@ -1,5 +1,5 @@
-"""The Triton attention kernels (kernels/triton) against the torch reference ops
-(kernels/reference.py): paged decode attention, on one partition and split over several, and
+"""The Triton attention kernels (pagoda_kernels/triton) against the torch reference ops
+(pagoda_kernels/reference.py): paged decode attention, on one partition and split over several, and
 prefill attention over a cached prefix, for GQA ratios 1/3/4/8, head dims 64/128, block sizes
 8..64, float32 and bfloat16 (float16 once); and the wrappers' errors for what they do not support.
 The kernels write into NaN-filled outputs and read caches with NaN in every slot no sequence
@@ -15,17 +15,17 @@ import torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu":
-    # triton.jit reads this when it decorates a kernel, so before kernels.triton is imported.
+    # triton.jit reads this when it decorates a kernel, so before pagoda_kernels.triton is imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from kernels import reference  # noqa: E402
-from kernels.triton import paged_attention as paged_module  # noqa: E402
-from kernels.triton.paged_attention import paged_decode_attention  # noqa: E402
-from kernels.triton.prefill_attention import prefill_attention  # noqa: E402
+from pagoda_kernels import reference  # noqa: E402
+from pagoda_kernels.triton import paged_attention as paged_module  # noqa: E402
+from pagoda_kernels.triton.paged_attention import paged_decode_attention  # noqa: E402
+from pagoda_kernels.triton.prefill_attention import prefill_attention  # noqa: E402
 
 TOLERANCES = {torch.float32: dict(atol=1e-4, rtol=1e-4),
               torch.float16: dict(atol=5e-3, rtol=5e-3),

@@ -1,6 +1,6 @@
-"""The Triton element-wise kernels (kernels/triton: the KV cache write, RMSNorm with the fused
+"""The Triton element-wise kernels (pagoda_kernels/triton: the KV cache write, RMSNorm with the fused
 residual add, the rotary embedding) against the torch code each one stands in for:
-kernels.reference.write_kv_cache and the torch paths of services/worker/models/llama.py's
+pagoda_kernels.reference.write_kv_cache and the torch paths of services/worker/models/llama.py's
 RMSNorm and RotaryEmbedding. Without CUDA they run in Triton's interpreter on the CPU
 (TRITON_INTERPRET=1, set here before triton is imported); with CUDA, on the GPU."""
 import os
@@ -16,11 +16,11 @@ import pytest  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
-from kernels import cpu as cpu_kernels  # noqa: E402
-from kernels import reference  # noqa: E402
-from kernels.triton.kv_cache import write_kv_cache  # noqa: E402
-from kernels.triton.norm import rms_norm  # noqa: E402
-from kernels.triton.rotary import rotary_  # noqa: E402
+from pagoda_kernels import cpu as cpu_kernels  # noqa: E402
+from pagoda_kernels import reference  # noqa: E402
+from pagoda_kernels.triton.kv_cache import write_kv_cache  # noqa: E402
+from pagoda_kernels.triton.norm import rms_norm  # noqa: E402
+from pagoda_kernels.triton.rotary import rotary_  # noqa: E402
 from services.worker.models import llama  # noqa: E402
 from services.worker.models.llama import RMSNorm, RotaryEmbedding  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""`--quantization int8` / `w8a8` on CUDA: the Triton kernels of kernels/triton/int8_matmul.py,
+"""`--quantization int8` / `w8a8` on CUDA: the Triton kernels of pagoda_kernels/triton/int8_matmul.py,
 the model wired to them, and the configuration that lets them run.
 
 No GPU ran these tests where none is present: without CUDA the kernels run in Triton's
@@ -6,7 +6,7 @@ interpreter on CPU tensors (TRITON_INTERPRET=1, set here before triton is import
 forced on there (services.worker.models.int8.TRITON_INT8). The interpreter checks what the
 kernels compute (masking, indexing, scales, rounding), not the GPU compiler's code: a GPU run is
 ops/bench/gpu_check's int8 check. (bf16 operands reach tl.dot as float32 under the interpreter,
-whose bf16 dot is wrong: see kernels/triton/int8_matmul.py `_interpreted_bf16`.)"""
+whose bf16 dot is wrong: see pagoda_kernels/triton/int8_matmul.py `_interpreted_bf16`.)"""
 import dataclasses
 import os
 
@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 pytest.importorskip("triton")
 
 import shared.config as config_module  # noqa: E402
-from kernels.triton import int8_matmul  # noqa: E402
+from pagoda_kernels.triton import int8_matmul  # noqa: E402
 from services.worker.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from services.worker.model_loader import load_model  # noqa: E402
 from services.worker.models import int8  # noqa: E402

@@ -13,9 +13,9 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-import kernels.triton.norm as triton_norm  # noqa: E402
-import kernels.triton.rotary as triton_rotary  # noqa: E402
-from kernels import cpu as cpu_kernels  # noqa: E402
+import pagoda_kernels.triton.norm as triton_norm  # noqa: E402
+import pagoda_kernels.triton.rotary as triton_rotary  # noqa: E402
+from pagoda_kernels import cpu as cpu_kernels  # noqa: E402
 from services.worker.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from services.worker.model_loader import load_model  # noqa: E402
 from services.worker.models import llama  # noqa: E402

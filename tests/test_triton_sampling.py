@@ -1,4 +1,4 @@
-"""The Triton top-k / top-p filter (kernels/triton/top_k_top_p.py) against its torch reference
+"""The Triton top-k / top-p filter (pagoda_kernels/triton/top_k_top_p.py) against its torch reference
 on a grid: one row and many, vocabularies that are not a multiple of the kernel's block, k and
 p set per row (and unset on some), ties at the edges; each output poisoned with NaN before the
 call. Then the sampler with the kernel chosen as on CUDA draws the tokens its sort path draws.
@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
-from kernels.triton.top_k_top_p import top_k_top_p, top_k_top_p_reference  # noqa: E402
+from pagoda_kernels.triton.top_k_top_p import top_k_top_p, top_k_top_p_reference  # noqa: E402
 from services.worker import sampler as sampler_module  # noqa: E402
 from services.worker.sampler import Sampler  # noqa: E402
 from services.worker.sampling_metadata import SamplingRow, SamplingTensors  # noqa: E402

@@ -1,4 +1,4 @@
-"""Kernel-level timing of one GGUF matmul (kernels/cpu/matmul_gguf.c) against what
+"""Kernel-level timing of one GGUF matmul (pagoda_kernels/cpu/matmul_gguf.c) against what
 services/worker/models/gguf_weights.py does above KERNEL_MAX_ROWS (the weight dequantized into
 a temporary of x's dtype, then F.linear), and F.linear alone on the weight dequantized once
 (the temporary's cost left out; a dense model's own packed layouts are not this), for the
@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu as cpu_kernels
+from pagoda_kernels import cpu as cpu_kernels
 from ops.bench.timing import best_seconds
 
 SHAPES = [(576, 3072), (1536, 576)]  # (K, N): gate/up and down of SmolLM2-135M

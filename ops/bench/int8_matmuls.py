@@ -1,8 +1,8 @@
 """Kernel-level timing of one decode step's matmuls of the default model (SmolLM2-135M: 30
 layers of qkv 576 -> 960, o 576 -> 576, gate/up 576 -> 2 x 1536 with the fused SiLU, down
 1536 -> 576, then the tied head 576 -> 49152), random weights, each matmul's weight read once
-per step: bf16 panels (kernels/cpu/matmul_bf16.c) against int8 weight-only and w8a8
-(kernels/cpu/matmul_int8.c), at the given batch rows. Prints each configuration's best and
+per step: bf16 panels (pagoda_kernels/cpu/matmul_bf16.c) against int8 weight-only and w8a8
+(pagoda_kernels/cpu/matmul_int8.c), at the given batch rows. Prints each configuration's best and
 median step time and the weight bytes per second at the best.
 
     .venv/bin/python -m ops.bench.int8_matmuls --rows 1 64 --seconds 1.5
@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from kernels import cpu as cpu_kernels
+from pagoda_kernels import cpu as cpu_kernels
 
 LAYERS = 30
 LAYER_SHAPES = [(960, 576, False), (576, 576, False), (3072, 576, True), (576, 1536, False)]

@@ -1,4 +1,4 @@
-"""Per-op decode-step cost: the CPU kernels (kernels/cpu, packed weights) against the torch ops.
+"""Per-op decode-step cost: the CPU kernels (pagoda_kernels/cpu, packed weights) against the torch ops.
 
 One decode step of the default model's shapes at `--batch` sequences of `--context` tokens,
 op by op, each with a buffer per layer so that weights and KV caches come from memory as in a
@@ -26,8 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _cases(hf, dtype: torch.dtype, batch: int, context: int, block_size: int) -> dict:
     """name -> (torch op over all layers, kernel op over all layers)."""
-    from kernels import cpu
-    from kernels.reference import paged_decode_attention
+    from pagoda_kernels import cpu
+    from pagoda_kernels.reference import paged_decode_attention
     from services.worker.models.linear import Linear, SiluAndMulLinear, pack_weight
 
     layers = hf.num_hidden_layers
@@ -128,7 +128,7 @@ def _cases(hf, dtype: torch.dtype, batch: int, context: int, block_size: int) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    from kernels import cpu
+    from pagoda_kernels import cpu
     from shared.config import EngineArgs
 
     if cpu.load() is None:

@@ -1,6 +1,6 @@
 """Prefill attention of whole prompts on the CPU: the cpu attention backend, which runs the C
-kernel (kernels/cpu/prefill_attention.c), against the torch backend (SDPA,
-kernels.reference.causal_prefill_attention), alternately in one process.
+kernel (pagoda_kernels/cpu/prefill_attention.c), against the torch backend (SDPA,
+pagoda_kernels.reference.causal_prefill_attention), alternately in one process.
 
     .venv/bin/python -m ops.bench.prefill_attention [--threads 2] [--dtype bfloat16]
         [--clock wall|thread]
@@ -38,7 +38,7 @@ def main() -> None:
                              "work)")
     args = parser.parse_args()
 
-    from kernels import cpu
+    from pagoda_kernels import cpu
     from services.worker.attention.base import AttentionMetadata
     from services.worker.attention.cpu_backend import CpuAttentionBackend
     from services.worker.attention.torch_backend import TorchAttentionBackend

@@ -25,13 +25,13 @@ def _rate(run: Callable[[], object], flops: float, seconds: float, device: torch
 def matmul_gflops(dtype: torch.dtype, device: torch.device, n: int = 2048,
                   seconds: float = 2.0) -> float:
     """The rate of a large square matmul in this dtype: torch's, or on the CPU the panel
-    matmul's (kernels/cpu/panels.py) where it runs and is faster (torch's fp32 matmul, MKL,
+    matmul's (pagoda_kernels/cpu/panels.py) where it runs and is faster (torch's fp32 matmul, MKL,
     ran at ~160 GFLOP/s on a Zen 4 where the panels reach ~200), each for half the time."""
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)
     runs = [lambda: torch.matmul(a, b)]
     if device.type == "cpu":
-        from kernels import cpu as cpu_kernels
+        from pagoda_kernels import cpu as cpu_kernels
         pack, run = {torch.bfloat16: (cpu_kernels.pack_bf16_weight, cpu_kernels.bf16_linear),
                      torch.float32: (cpu_kernels.pack_f32_weight, cpu_kernels.f32_linear)
                      }.get(dtype, (None, None))

@@ -2,7 +2,7 @@
 preempted sequences are swapped out to."""
 import torch
 
-from kernels.reference import KV_CACHE_TORCH_DTYPES, cache_row_width
+from pagoda_kernels.reference import KV_CACHE_TORCH_DTYPES, cache_row_width
 from services.worker.host_memory import host_empty
 from shared.config import CacheConfig, ModelConfig
 
@@ -11,7 +11,7 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 def kv_cache_dtype(cache_config: CacheConfig, model_config: ModelConfig) -> torch.dtype:
     """The dtype the cache blocks hold: the model's for --kv-cache-dtype auto, else the 8-bit
-    one (the layouts are in kernels/reference.py)."""
+    one (the layouts are in pagoda_kernels/reference.py)."""
     if cache_config.kv_cache_dtype == "auto":
         return model_config.dtype
     return KV_CACHE_TORCH_DTYPES[cache_config.kv_cache_dtype]

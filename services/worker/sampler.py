@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import cpu as cpu_kernels
+from pagoda_kernels import cpu as cpu_kernels
 from services.worker.sampling_metadata import PenaltyTensors, SamplingTensors
 
 _MASK32 = 0xFFFFFFFF
@@ -128,7 +128,7 @@ def _filters_in_triton(x: torch.Tensor) -> bool:
 
 def _triton_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor | None,
                         top_p: torch.Tensor | None) -> torch.Tensor:
-    from kernels.triton.top_k_top_p import top_k_top_p  # triton only where it is chosen
+    from pagoda_kernels.triton.top_k_top_p import top_k_top_p  # triton only where it is chosen
     return top_k_top_p(x, top_k, top_p, out=x)
 
 

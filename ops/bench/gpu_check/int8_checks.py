@@ -1,5 +1,5 @@
 """`--quantization int8` / `w8a8` on the device: the Triton kernels of
-kernels/triton/int8_matmul.py against the float64 product of the dequantized weight (and, for
+pagoda_kernels/triton/int8_matmul.py against the float64 product of the dequantized weight (and, for
 w8a8, of the activations as quantize_rows quantizes them), their time at the 8B shapes against
 bf16 F.linear, and (CUDA only) the whole engine's greedy tokens with each against the
 unquantized engine on the parity section's random Llama."""
@@ -25,7 +25,7 @@ def check_int8_matmuls(run: Run, device, dtype) -> Row:
     ulp of dtype plus float32 rounding of the K-term sum (tests/test_triton_int8.py's bound),
     NaN-poisoned outputs; the row quantization bit-equal to quantize_rows."""
     import torch
-    from kernels.triton import int8_matmul
+    from pagoda_kernels.triton import int8_matmul
     from services.worker.models.int8 import quantize_rows
     half_ulp = 2.0 ** -24 if dtype == torch.float32 else 2.0 ** -8
     worst, failures = 0.0, []
@@ -70,7 +70,7 @@ def time_int8_matmuls(run: Run, device, dtype, raw: dict) -> list:
     (what bounds decode) and the fraction of the copy bandwidth, TFLOP/s."""
     import torch
     import torch.nn.functional as F
-    from kernels.triton import int8_matmul
+    from pagoda_kernels.triton import int8_matmul
     p = run.plan
     rows, raw["int8"] = [], []
     for m, n, k in p.int8_timings:

@@ -1,4 +1,4 @@
-"""The kernels section: every Triton kernel of kernels/triton against its torch reference on the
+"""The kernels section: every Triton kernel of pagoda_kernels/triton against its torch reference on the
 device, then timed at realistic shapes (kernel_timing.py)."""
 import contextlib
 
@@ -55,8 +55,8 @@ def attention_verdict(out, expected, dtype) -> tuple[str, str]:
 
 def check_decode_attention(run: Run, device, dtype) -> Row:
     import torch
-    from kernels import reference
-    from kernels.triton.paged_attention import paged_decode_attention
+    from pagoda_kernels import reference
+    from pagoda_kernels.triton.paged_attention import paged_decode_attention
     p = run.plan
     g = device_generator(device, 1)
     lens = p.decode_check_lens
@@ -78,8 +78,8 @@ def check_decode_attention(run: Run, device, dtype) -> Row:
 
 def check_prefill_attention(run: Run, device, dtype) -> Row:
     import torch
-    from kernels import reference
-    from kernels.triton.prefill_attention import prefill_attention
+    from pagoda_kernels import reference
+    from pagoda_kernels.triton.prefill_attention import prefill_attention
     p = run.plan
     g = device_generator(device, 2)
     query_lens, context_lens = p.prefill_check
@@ -99,8 +99,8 @@ def check_prefill_attention(run: Run, device, dtype) -> Row:
 
 def check_write_kv_cache(run: Run, device, dtype) -> Row:
     import torch
-    from kernels import reference
-    from kernels.triton.kv_cache import write_kv_cache
+    from pagoda_kernels import reference
+    from pagoda_kernels.triton.kv_cache import write_kv_cache
     p = run.plan
     g = device_generator(device, 3)
     key, value, key_cache, value_cache, slots = kv_write_inputs(p, dtype, device, g)
@@ -111,7 +111,7 @@ def check_write_kv_cache(run: Run, device, dtype) -> Row:
     reference.write_kv_cache(key[valid], value[valid], expected_k, expected_v, padded[valid])
     write_kv_cache(key, value, key_cache, value_cache, padded)
     equal = torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
-    result = ("bit-exact against kernels.reference" if equal else "differs from the reference")
+    result = ("bit-exact against pagoda_kernels.reference" if equal else "differs from the reference")
     result += f" ({p.elementwise_tokens} tokens, every third one padding)"
     log(run, f"kernels: kv cache write check: {result}")
     return Row("kernels", "write_kv_cache: correctness", result, "bit-exact",
@@ -123,7 +123,7 @@ def model_torch_path():
     """The model's modules on their torch code: the compiled CPU kernels (which would take CPU
     tensors in the smoke mode) and the Triton kernels (which take CUDA tensors) switched off
     meanwhile."""
-    from kernels import cpu
+    from pagoda_kernels import cpu
     from services.worker.models import llama
     saved = cpu.available_for, llama.TRITON_ELEMENTWISE
     cpu.available_for = lambda x: False
@@ -146,7 +146,7 @@ def bf16_ulps(a, b):
 
 def check_rms_norm(run: Run, device, dtype) -> Row:
     import torch
-    from kernels.triton.norm import rms_norm
+    from pagoda_kernels.triton.norm import rms_norm
     from services.worker.models.llama import RMSNorm
     p = run.plan
     g = device_generator(device, 4)
@@ -170,7 +170,7 @@ def check_rms_norm(run: Run, device, dtype) -> Row:
 
 
 def check_rotary(run: Run, device, dtype) -> Row:
-    from kernels.triton.rotary import rotary_
+    from pagoda_kernels.triton.rotary import rotary_
     p = run.plan
     g = device_generator(device, 5)
     max_positions = 8192

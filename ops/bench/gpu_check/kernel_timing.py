@@ -13,7 +13,7 @@ def time_decode_attention(run: Run, device, dtype, raw: dict) -> list:
     """Every (batch, context) of the plan, all sequences at the full context, their blocks
     shuffled through one cache sized for the largest case."""
     import torch
-    from kernels.triton.paged_attention import paged_decode_attention
+    from pagoda_kernels.triton.paged_attention import paged_decode_attention
     p = run.plan
     elt = torch.finfo(dtype).bits // 8
     max_blocks = max(p.decode_batches) * -(-max(p.decode_contexts) // p.block_size)
@@ -58,7 +58,7 @@ def time_prefill_attention(run: Run, device, dtype, raw: dict) -> list:
     """Attention FLOPs over the query/key pairs each chunk sees (QK^T and PV, 4 * head_dim per
     pair and head), at the measured matmul rate."""
     import torch
-    from kernels.triton.prefill_attention import prefill_attention
+    from pagoda_kernels.triton.prefill_attention import prefill_attention
     p = run.plan
     g = device_generator(device, 6)
     rows, raw["prefill"] = [], []
@@ -87,9 +87,9 @@ def time_elementwise(run: Run, device, dtype, raw: dict) -> list:
     """The KV cache write, RMSNorm with the residual add and rotary at a prefill step's token
     count, each by the bytes it must read and write."""
     import torch
-    from kernels.triton.kv_cache import write_kv_cache
-    from kernels.triton.norm import rms_norm
-    from kernels.triton.rotary import rotary_
+    from pagoda_kernels.triton.kv_cache import write_kv_cache
+    from pagoda_kernels.triton.norm import rms_norm
+    from pagoda_kernels.triton.rotary import rotary_
     p = run.plan
     g = device_generator(device, 7)
     elt = torch.finfo(dtype).bits // 8

@@ -1,4 +1,4 @@
-"""The top-k / top-p kernel (kernels/triton/top_k_top_p.py) in the kernels section: against its
+"""The top-k / top-p kernel (pagoda_kernels/triton/top_k_top_p.py) in the kernels section: against its
 torch reference on the device, then timed against the sampler's sort path, what CUDA ran
 before it (a full sort of every row)."""
 from .kernel_timing import median_seconds
@@ -22,7 +22,7 @@ def filter_inputs(run: Run, device, num_rows: int, seed: int):
 
 def check_top_k_top_p(run: Run, device, dtype=None) -> Row:
     import torch
-    from kernels.triton.top_k_top_p import top_k_top_p, top_k_top_p_reference
+    from pagoda_kernels.triton.top_k_top_p import top_k_top_p, top_k_top_p_reference
     num_rows = max(run.plan.sampling_batches)
     x, top_k, top_p = filter_inputs(run, device, num_rows, seed=8)
     x[1::4] = (x[1::4] * 2).round() / 2  # tie groups at the edges on some rows
@@ -51,7 +51,7 @@ def check_top_k_top_p(run: Run, device, dtype=None) -> Row:
 
 def time_top_k_top_p(run: Run, device, dtype, raw: dict) -> list:
     import torch
-    from kernels.triton.top_k_top_p import top_k_top_p
+    from pagoda_kernels.triton.top_k_top_p import top_k_top_p
     from services.worker.sampler import _top_k_top_p_by_sort
     p = run.plan
     rows, raw["top_k_top_p"] = [], []

@@ -66,7 +66,7 @@ def get_attn_backend(name: str = "torch", *, dtype: torch.dtype = torch.float32,
         from services.worker.attention.triton_backend import TritonAttentionBackend
         return TritonAttentionBackend()
     if name in ("auto", "cpu"):
-        from kernels import cpu
+        from pagoda_kernels import cpu
         if cpu.supports(dtype, device, num_heads, num_kv_heads, head_dim, block_size):
             from services.worker.attention.cpu_backend import CpuAttentionBackend
             return CpuAttentionBackend()

@@ -1,4 +1,4 @@
-"""The torch backend with the CPU's attention in compiled kernels (kernels/cpu): decode attention
+"""The torch backend with the CPU's attention in compiled kernels (pagoda_kernels/cpu): decode attention
 reads each sequence's K/V blocks in place instead of gathering them into a copy, the cache write
 is one C call, and whole prompts (nothing cached before them) run causal prefill attention on
 the step's own K/V, all of a run's sequences in one call with no padding. Prompt chunks after a
@@ -8,8 +8,8 @@ import itertools
 
 import torch
 
-from kernels import reference
-from kernels.cpu import (causal_prefill_attention, causal_prefill_supports,
+from pagoda_kernels import reference
+from pagoda_kernels.cpu import (causal_prefill_attention, causal_prefill_supports,
                          paged_decode_attention, write_kv_cache)
 from services.worker.attention.base import AttentionMetadata
 from services.worker.attention.torch_backend import TorchAttentionBackend, prefill_calls

@@ -3,7 +3,7 @@ import itertools
 
 import torch
 
-from kernels.reference import (causal_prefill_attention, paged_decode_attention,
+from pagoda_kernels.reference import (causal_prefill_attention, paged_decode_attention,
                                prefill_attention, write_kv_cache)
 from services.worker.attention.base import AttentionBackend, AttentionMetadata
 

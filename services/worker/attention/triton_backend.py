@@ -1,4 +1,4 @@
-"""Attention in Triton kernels (kernels/triton), the CUDA path: the cache write, decode attention
+"""Attention in Triton kernels (pagoda_kernels/triton), the CUDA path: the cache write, decode attention
 reading each sequence's blocks in place (split over long contexts), and every prefill of a step
 in one varlen launch over the cache. On the CPU the same kernels run under Triton's interpreter
 (`TRITON_INTERPRET=1`), which is how they are tested here; it is far too slow to serve with.
@@ -22,7 +22,7 @@ class TritonAttentionBackend(TorchAttentionBackend):
 
     def __init__(self):
         # Imported here: triton is needed only by a worker that picks this backend.
-        from kernels.triton import kv_cache, paged_attention, prefill_attention
+        from pagoda_kernels.triton import kv_cache, paged_attention, prefill_attention
         self._write = kv_cache.write_kv_cache
         self._decode = paged_attention.paged_decode_attention
         self._prefill = prefill_attention.prefill_attention

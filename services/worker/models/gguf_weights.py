@@ -1,7 +1,7 @@
 """GGUF block-quantized weights kept packed (`--quantization gguf`, the CPU).
 
 Q8_0, Q4_0 and Q4_1 (ggml's blocks of 32 weights of one row with an fp16 scale, and an fp16 min
-for Q4_1) are regrouped once, at load, into the panels kernels/cpu/matmul_gguf.c streams (16 rows
+for Q4_1) are regrouped once, at load, into the panels pagoda_kernels/cpu/matmul_gguf.c streams (16 rows
 interleaved four weights at a time, the last panel padded with zero rows), with the file's bytes
 per weight: `qs` (uint8 [panels, K / 32, 512] for Q8_0, q + 128; [panels, K / 32, 256] for Q4,
 the file's nibble bytes), `d` and, for Q4_1, `m` (fp16 [panels, K / 32, 16]). Q4_K (super-blocks
@@ -25,8 +25,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu as cpu_kernels
-from kernels.cpu.gguf import PANEL, panel_block_bytes, scale_dtype
+from pagoda_kernels import cpu as cpu_kernels
+from pagoda_kernels.cpu.gguf import PANEL, panel_block_bytes, scale_dtype
 from services.worker.host_memory import host_empty
 
 Q4_0, Q4_1, Q8_0, Q4_K = 2, 3, 8, 12  # ggml's type ids

@@ -9,12 +9,12 @@ quarter of fp32, half of bf16) and s stay in memory.
   s, at most 2^-23 of the largest off).
 - w8a8: each row of activations is quantized to int8 too (its own scale, max|x| / 127, at every
   call), the products are summed in int32, and the output is acc * x_scale * w_scale.
-The kernels are kernels/cpu/matmul_int8.c: q is packed into its panels at load, and a gate/up
+The kernels are pagoda_kernels/cpu/matmul_int8.c: q is packed into its panels at load, and a gate/up
 weight gets SiLU(gate) * up in the kernel's epilogue. Without the C kernels (no compiler,
 PAGODA_CPU_KERNELS=0) q stays in rows and torch multiplies: a dequantized temporary
 (weight-only) or `torch._int_mm` (w8a8), SiLU * up after it. A bias is added in the activation
 dtype.
-On CUDA the same q [out, in] rows and scales stay on the device and kernels/triton/int8_matmul.py
+On CUDA the same q [out, in] rows and scales stay on the device and pagoda_kernels/triton/int8_matmul.py
 multiplies them (`triton_int8_linear`; SiLU * up after it, in the model).
 """
 import importlib.util
@@ -22,7 +22,7 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu as cpu_kernels
+from pagoda_kernels import cpu as cpu_kernels
 from services.worker.host_memory import host_copy, host_empty
 
 QUANTIZATIONS = ("int8", "w8a8")
@@ -101,7 +101,7 @@ def triton_int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                        bias: torch.Tensor | None, w8a8: bool) -> torch.Tensor:
     """x [..., in] (q * s[:, None])^T (+ b) in x's dtype by the Triton kernels (w8a8: x
     quantized per row first)."""
-    from kernels.triton import int8_matmul  # needs triton: imported where it runs
+    from pagoda_kernels.triton import int8_matmul  # needs triton: imported where it runs
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[-1] > 1 and x2.stride(-1) != 1:

@@ -1,4 +1,4 @@
-"""Decoder layers run as the C layer blocks of kernels/cpu/blocks.c, on the CPU, one rank:
+"""Decoder layers run as the C layer blocks of pagoda_kernels/cpu/blocks.c, on the CPU, one rank:
 `forward_blocks` runs a layer's work before attention and after it in one call each (any step),
 `decode_step` a whole decode step's layers, attention included, in one call.
 
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels import cpu as cpu_kernels
+from pagoda_kernels import cpu as cpu_kernels
 from services.worker.attention.base import AttentionMetadata
 from services.worker.models import gguf_weights
 from services.worker.models.int8 import QUANTIZATIONS

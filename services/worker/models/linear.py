@@ -1,7 +1,7 @@
 """Matmul weights prepared once, after loading, for the CPU's fastest kernel.
 
 - bf16 on a CPU with AVX512-BF16 (and AMX, where granted): packed into the panels of
-  kernels/cpu/matmul_bf16.c, whose AMX loop streams the weight at up to twice oneDNN's rate at
+  pagoda_kernels/cpu/matmul_bf16.c, whose AMX loop streams the weight at up to twice oneDNN's rate at
   decode batch sizes and whose vdpbf16ps loop takes a decode step's matmuls in ~24% less time
   than oneDNN (faster on the layers, about even on the LM head); both keep up with it on
   prompts. The fused gate/up projection also applies SiLU(gate) * up before anything
@@ -10,7 +10,7 @@
   layout. The plain bf16 matmul repacks the weight on every call, which at decode batch sizes
   costs as much as the product (measured, 30 layers of the default model at batch 64: 1.6x
   faster packed; the same at 2048 tokens).
-- fp32: packed into the panels of kernels/cpu/matmul_f32.c (AVX-512), stored [in, out] (the
+- fp32: packed into the panels of pagoda_kernels/cpu/matmul_f32.c (AVX-512), stored [in, out] (the
   parameter becomes a transposed view of a copy made once at load, same values), or packed for
   oneDNN, whichever this CPU runs fastest (`fp32_layout`, timed once per process, panels
   preferred on a tie since the C layer blocks take them). On Intel Xeons MKL's sgemm was ~12%
@@ -23,11 +23,11 @@
 The panel-packed weights and the [in, out] fp32 copies live on huge pages
 (services/worker/host_memory.py).
 - `--quantization int8` / `w8a8` (any dtype, on the CPU): int8 weights and per-row scales in
-  the panels of kernels/cpu/matmul_int8.c, weight-only or with activations quantized per row
+  the panels of pagoda_kernels/cpu/matmul_int8.c, weight-only or with activations quantized per row
   (services/worker/models/int8.py); the gate/up SiLU * up in the kernel's epilogue.
 - `--quantization gguf` (a GGUF file, on the CPU): the file's Q8_0 / Q4_0 / Q4_1 blocks, packed
   as they are loaded (services/worker/models/gguf_load.py) and multiplied by
-  kernels/cpu/matmul_gguf.c (services/worker/models/gguf_weights.py).
+  pagoda_kernels/cpu/matmul_gguf.c (services/worker/models/gguf_weights.py).
 Elsewhere (GPU, fp16) weights stay as loaded and F.linear runs. A packed weight's plain copy is
 dropped (`drop_plain_weight`): only its shape and dtype remain.
 """
@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu as cpu_kernels
+from pagoda_kernels import cpu as cpu_kernels
 from services.worker.host_memory import host_copy, host_empty
 from services.worker.models.gguf_weights import GGUFWeight, gguf_linear
 from services.worker.models.int8 import (QUANTIZATIONS, TRITON_QUANTIZATIONS, int8_linear,
@@ -51,11 +51,11 @@ from services.worker.models.plain_rows import in_pieces, max_rows
 @dataclass
 class PackedWeight:
     """A weight [out_features, in_features] rearranged for one kernel."""
-    kind: str  # "bf16" / "f32": kernels.cpu.bf16_linear / f32_linear (panels);
+    kind: str  # "bf16" / "f32": pagoda_kernels.cpu.bf16_linear / f32_linear (panels);
     # "onednn": torch.ops.mkldnn._linear_pointwise;
     # "int8" / "w8a8": services/worker/models/int8.py (data int8, `scale` fp32 per row);
     # "triton_int8" / "triton_w8a8": the same on CUDA, data q [out, in] for
-    # kernels/triton/int8_matmul.py
+    # pagoda_kernels/triton/int8_matmul.py
     data: torch.Tensor
     out_features: int
     gate_up: bool = False  # [gate; up] packed so that the matmul returns SiLU(gate) * up
@@ -103,7 +103,7 @@ def faster_fp32_layout(seconds: dict[str, float]) -> str:
 
 
 def fp32_layout() -> str:
-    """How fp32 layer weights are kept on this CPU: "panels" (kernels/cpu/matmul_f32.c, where
+    """How fp32 layer weights are kept on this CPU: "panels" (pagoda_kernels/cpu/matmul_f32.c, where
     it runs), "transposed" ([in, out] for MKL's sgemm) or "onednn" (oneDNN's packed matmul).
     Decided once per process by timing each on a decode-sized product (64 x 1024 x 1024, best of
     5, ~0.1 s each): which one wins depends on the CPU (MKL's sgemm ran at half oneDNN's rate at
@@ -238,7 +238,7 @@ class SiluAndMulLinear(Linear):
         gate_up = linear(x, self.weight, self.bias, self.packed)
         if (self.packed is not None and self.packed.kind == "gguf" and gate_up.dim() == 2
                 and cpu_kernels.available_for(gate_up)):
-            # As the layer blocks compute it (kernels/cpu/blocks.c), so that a GGUF model gives
+            # As the layer blocks compute it (pagoda_kernels/cpu/blocks.c), so that a GGUF model gives
             # the same numbers either way: its activations are quantized to 8 bits at every
             # matmul, where a last-bit difference can move a value across a rounding step.
             return cpu_kernels.silu_mul(gate_up)

@@ -4,8 +4,8 @@ Tokens of all sequences in a step are one flat batch ([num_tokens, hidden]); onl
 where sequences begin and end (AttentionMetadata). q/k/v and gate/up projections are fused into
 one matmul each; `load_weights` stacks the Hugging Face tensors into them. The residual stream
 is carried beside the hidden state so that each RMSNorm also does the residual add before it.
-On the CPU the element-wise ops run as the compiled kernels of kernels/cpu (one pass each), on
-CUDA as the Triton kernels of kernels/triton (the residual add fused into RMSNorm, rotary in
+On the CPU the element-wise ops run as the compiled kernels of pagoda_kernels/cpu (one pass each), on
+CUDA as the Triton kernels of pagoda_kernels/triton (the residual add fused into RMSNorm, rotary in
 place); the torch code beside them computes the same and runs everywhere else. Under tensor
 parallelism each rank holds its part of every layer (models/shard_weights.py) and the
 row-parallel outputs are summed over the group.
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu as cpu_kernels
+from pagoda_kernels import cpu as cpu_kernels
 from services.worker.attention.base import AttentionBackend, AttentionMetadata
 from services.worker.models.gguf_weights import GGUFWeight, gguf_embedding
 from services.worker.models.layer_blocks import (DecodeStep, LayerBlocks, LayerWorkspace,
@@ -87,7 +87,7 @@ class RMSNorm(nn.Module):
             return (cpu_kernels.rms_norm(x, self.weight, self.eps) if residual is None else
                     (cpu_kernels.rms_norm(x, self.weight, self.eps, residual), residual))
         if triton_elementwise_for(x):
-            from kernels.triton.norm import rms_norm  # triton only where it is chosen
+            from pagoda_kernels.triton.norm import rms_norm  # triton only where it is chosen
             return rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -117,7 +117,7 @@ class RotaryEmbedding(nn.Module):
         if cpu_kernels.available_for(x):
             return cpu_kernels.rotary_(x, positions, self.cos_sin)
         if triton_elementwise_for(x):
-            from kernels.triton.rotary import rotary_
+            from pagoda_kernels.triton.rotary import rotary_
             return rotary_(x, positions, self.cos_sin)
         cos, sin = self.cos_sin.index_select(0, positions).unsqueeze(1).unbind(2)  # [T, 1, D]
         return torch.addcmul(x * cos, x.roll(self.half, dims=-1), sin)

@@ -3,7 +3,7 @@ take the same path with it.
 
 GGUF and int8 matmuls pick their kernel by the rows of x: GGUF's 8-bit-activation kernel up
 to `gguf_weights.KERNEL_MAX_ROWS` rows, a dequantized temporary above; int8's vector paths
-under 16 rows, AMX from 16 where it runs (AMX_MIN_ROWS in kernels/cpu/matmul_int8.c). The paths
+under 16 rows, AMX from 16 where it runs (AMX_MIN_ROWS in pagoda_kernels/cpu/matmul_int8.c). The paths
 round differently. A verifying step computes 1 + k rows for each speculating sequence where
 plain decoding computes one, so it could cross a threshold the plain step stays under. The
 model runner sets `plain_step_rows` around its passes; a quantized matmul whose plain step
@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 import torch
 
-from kernels import cpu as cpu_kernels
+from pagoda_kernels import cpu as cpu_kernels
 from services.worker.models.gguf_weights import KERNEL_MAX_ROWS
 
 INT8_VECTOR_MAX_ROWS = 15  # int8's vector paths, below AMX_MIN_ROWS (16) of matmul_int8.c

@@ -1,6 +1,6 @@
 """Prefill attention in Triton: prompt chunks of several sequences, over their paged KV cache.
 
-Computes exactly what `kernels.reference.prefill_attention` computes (the reference these kernels
+Computes exactly what `pagoda_kernels.reference.prefill_attention` computes (the reference these kernels
 are tested against): the queries of sequence s are rows query_start_loc[s] ..
 query_start_loc[s + 1] - 1 of the flat query; query i sits at absolute position
 context_lens[s] + i and attends to cached tokens [0, context_lens[s] + i], below seq_lens[s].
@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.paged_attention import (LOG2_E, cache_bytes, check_index, check_kv_cache,
+from pagoda_kernels.triton.paged_attention import (LOG2_E, cache_bytes, check_index, check_kv_cache,
                                             check_out, dot_fp32, is_power_of_two,
                                             kv_tile_offsets, load_k_tile, load_v_tile,
                                             needs_upcast_dot)
@@ -125,7 +125,7 @@ def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
                       max_seq_len: int, scale: float, *, out: torch.Tensor | None = None,
                       block_m: int | None = None, block_n: int | None = None,
                       num_warps: int = 4) -> torch.Tensor:
-    """`kernels.reference.prefill_attention` in Triton.
+    """`pagoda_kernels.reference.prefill_attention` in Triton.
     query [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim] (into `out` if
     given). `max_query_len` (a host int, >= every sequence's query length) sizes the grid.
     `block_m` (rows of (token, head) pairs) and `block_n` (keys per tile) default by dtype."""

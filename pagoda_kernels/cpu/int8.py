@@ -4,8 +4,8 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.cpu.bind import DTYPE_SUFFIX, bound_function, data_ptr
-from kernels.cpu.build import load, unavailable_reason
+from pagoda_kernels.cpu.bind import DTYPE_SUFFIX, bound_function, data_ptr
+from pagoda_kernels.cpu.build import load, unavailable_reason
 
 INT8_PATHS = ("portable", "avx512", "vnni", "amx")  # matmul_int8.c's PATH_* 1..4
 _int8_path = "auto"

@@ -1,6 +1,6 @@
 """Paged decode attention in Triton: one query token per sequence against its cached K/V.
 
-Computes exactly what `kernels.reference.paged_decode_attention` computes (the reference these
+Computes exactly what `pagoda_kernels.reference.paged_decode_attention` computes (the reference these
 kernels are tested against): sequence s's query, [num_heads, head_dim], attends to the first
 seq_lens[s] tokens of its paged cache, with grouped-query attention (query head h reads KV head
 h // (num_heads // num_kv_heads)). Layouts, as in the reference:
@@ -9,7 +9,7 @@ h // (num_heads // num_kv_heads)). Layouts, as in the reference:
   block_tables             [num_seqs, max_blocks] int32/int64, padded with block 0
   seq_lens                 [num_seqs] int32/int64, >= 1
   out                      [num_seqs, num_heads, head_dim], the query's dtype
-The cache may also be 8-bit (int8, float8_e4m3fn, float8_e5m2; kernels/reference.py has the
+The cache may also be 8-bit (int8, float8_e4m3fn, float8_e5m2; pagoda_kernels/reference.py has the
 layouts): the kernels read its bytes and convert each tile to the query's dtype (int8 times its
 rows' scales), as the reference's dequantize_kv does.
 
@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import reference
+from pagoda_kernels import reference
 
 # Scores are kept in log2 units so the kernels can use exp2: exp(x) == exp2(x * log2(e)).
 LOG2_E = 1.4426950408889634
@@ -70,7 +70,7 @@ def kv_tile_offsets(block_table_row_ptr, token_pos, token_valid, block_size: tl.
 @triton.jit
 def dequantize_tile(x, CACHE_FORMAT: tl.constexpr):
     """uint8 cache bytes -> float32 values: int8 (before its rows' scales), or fp8 e4m3 / e5m2
-    by integer arithmetic (as kernels/cpu/kv_quant.h), which every GPU and the interpreter
+    by integer arithmetic (as pagoda_kernels/cpu/kv_quant.h), which every GPU and the interpreter
     run. The cache never holds fp8 NaN or inf codes (writes saturate)."""
     if CACHE_FORMAT == 1:
         return x.to(tl.int8, bitcast=True).to(tl.float32)
@@ -371,7 +371,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
                            partition_size: int = DEFAULT_PARTITION_SIZE,
                            block_n: int | None = None,
                            num_warps: int = 4) -> torch.Tensor:
-    """`kernels.reference.paged_decode_attention` in Triton.
+    """`pagoda_kernels.reference.paged_decode_attention` in Triton.
     query [num_seqs, num_heads, head_dim] -> [num_seqs, num_heads, head_dim] (into `out` if
     given). `max_seq_len` (a host int, >= every seq_lens[s]) sizes the grid's partition axis;
     contexts longer than `partition_size` tokens are split across programs and combined.

@@ -12,16 +12,16 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.cpu.bind import DTYPE_SUFFIX
-from kernels.cpu.build import load, unavailable_reason
-from kernels.cpu.gguf import _check_blocks
-from kernels.cpu.int8 import _int8_dims
-from kernels.reference import cache_row_width
+from pagoda_kernels.cpu.bind import DTYPE_SUFFIX
+from pagoda_kernels.cpu.build import load, unavailable_reason
+from pagoda_kernels.cpu.gguf import _check_blocks
+from pagoda_kernels.cpu.int8 import _int8_dims
+from pagoda_kernels.reference import cache_row_width
 
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 MAX_PARTS = 4  # blocks.c
 _BF16, _INT8, _W8A8, _GGUF, _F32 = 1, 2, 3, 4, 5
-# 8-bit KV cache formats by their codes in kernels/cpu/kv_quant.h.
+# 8-bit KV cache formats by their codes in pagoda_kernels/cpu/kv_quant.h.
 Q8_CACHE_CODES = {torch.int8: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 
 
@@ -289,7 +289,7 @@ def decode_weights(layers: list[tuple[BlockLinear, BlockLinear, BlockLinear, Blo
                    head_dim: int, cos_sin: torch.Tensor, scale: float) -> DecodeStepWeights:
     """Per layer (qkv, o, gate_up, down, norm1, norm2, k_cache, v_cache), the caches
     [blocks, block_size, kv_heads, row] in the activation dtype or an 8-bit format
-    (kernels/reference.py: cache_row_width), checked once here."""
+    (pagoda_kernels/reference.py: cache_row_width), checked once here."""
     if not layers:
         raise ValueError("decode layers: no layers")
     first = layers[0]

@@ -15,7 +15,7 @@
  * Everywhere else (no AVX-512 for weight-only, no VNNI for w8a8, or K past a path's limit:
  * FIXED_MAX_K, W8A8_MAX_K) a plain C loop over the same layout.
  *
- * Layout (packed in Python, kernels/cpu/int8.py): K is zero-padded to a multiple of 64 and
+ * Layout (packed in Python, pagoda_kernels/cpu/int8.py): K is zero-padded to a multiple of 64 and
  * N to whole panels of 32 output columns. A panel is K/64 steps of two 1 KiB tiles; tile row r
  * holds, for each of the tile's 16 columns, the 4 weights k = 64 s + 4 r .. + 3. That is the
  * AMX-INT8 B tile, and one tile row is one VNNI register, so every path streams a panel in

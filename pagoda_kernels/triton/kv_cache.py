@@ -7,14 +7,14 @@ value_cache
 slot_mapping   [T] int64, slot = block_id * block_size + offset; -1 marks a padding token
 
 Token t's key and value rows go to cache slot slot_mapping[t]. The reference is
-kernels.reference.write_kv_cache (an index_copy_ into the caches seen as
+pagoda_kernels.reference.write_kv_cache (an index_copy_ into the caches seen as
 [num_blocks * block_size, num_kv_heads, head_dim]); the result is the same, bit for bit, since
 nothing is computed, only copied. Unlike the reference, a slot of -1 is allowed and writes
 nothing: a batch padded to a fixed size (a captured graph's) points its padding tokens there.
 
-Into an 8-bit cache (int8, float8_e4m3fn, float8_e5m2; layouts in kernels/reference.py) each
-(token, KV head) row is quantized as kernels.reference.quantize_kv quantizes it, in integer
-arithmetic on the float32 bits (as kernels/cpu/kv_quant.h): round to nearest even, fp8
+Into an 8-bit cache (int8, float8_e4m3fn, float8_e5m2; layouts in pagoda_kernels/reference.py) each
+(token, KV head) row is quantized as pagoda_kernels.reference.quantize_kv quantizes it, in integer
+arithmetic on the float32 bits (as pagoda_kernels/cpu/kv_quant.h): round to nearest even, fp8
 saturated to its largest finite value; int8 rows get their float32 scale in their last 4 bytes.
 """
 import torch
@@ -107,7 +107,7 @@ def _write_kv_cache_q8_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                    value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """As kernels.reference.write_kv_cache: key/value [T, num_kv_heads, head_dim] (each token's
+    """As pagoda_kernels.reference.write_kv_cache: key/value [T, num_kv_heads, head_dim] (each token's
     heads contiguous, tokens at any stride) -> the cache slots `slot_mapping` [T] int64, in
     place. A slot of -1 (padding) is skipped; so is one >= num_blocks * block_size, unchecked."""
     if key.dim() != 3 or value.shape != key.shape:

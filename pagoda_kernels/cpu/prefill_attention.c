@@ -1,5 +1,5 @@
 /* Causal prefill attention for whole prompts (nothing cached before them) on the step's own K/V:
- * what kernels/reference.py's causal_prefill_attention computes, with no padding and no T x T
+ * what pagoda_kernels/reference.py's causal_prefill_attention computes, with no padding and no T x T
  * score matrix.
  *
  * Layouts:

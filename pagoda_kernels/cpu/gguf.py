@@ -4,8 +4,8 @@ or dequantized row by row. The C code trusts every shape it is given: the checks
 mismatched weight from reading past its arrays."""
 import torch
 
-from kernels.cpu.bind import bound_function, data_ptr
-from kernels.cpu.build import load, unavailable_reason
+from pagoda_kernels.cpu.bind import bound_function, data_ptr
+from pagoda_kernels.cpu.build import load, unavailable_reason
 
 _Q4_0, _Q4_1, _Q8_0, _Q4_K = 2, 3, 8, 12  # ggml's type ids
 _TYPES = (_Q8_0, _Q4_0, _Q4_1, _Q4_K)

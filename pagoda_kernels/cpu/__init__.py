@@ -3,7 +3,7 @@ attention for whole prompts, the KV cache write, the element-wise layer ops, gre
 the bf16 and fp32 panel matmuls (AMX, AVX512-BF16 or AVX-512 FMA), int8 weight-only and w8a8
 matmuls, matmuls on GGUF blocks (matmul_gguf.c), and a decoder layer's work around attention
 chained into two calls, or a decode step's layers into one (blocks.c). Each
-computes what its torch counterpart computes (kernels/reference.py for attention and the cache
+computes what its torch counterpart computes (pagoda_kernels/reference.py for attention and the cache
 write, the modules of services/worker/models/llama.py and the sampler for the rest), which
 stands in for it where it cannot run: another device or dtype, no C compiler, or
 PAGODA_CPU_KERNELS=0. The panel matmul, int8, GGUF and layer-block wrappers live in
@@ -11,22 +11,22 @@ panels.py, int8.py, gguf.py and blocks.py, re-exported here;
 bind.py binds the C functions."""
 import torch
 
-from kernels.cpu.bind import DTYPE_SUFFIX as _SUFFIX
-from kernels.cpu.bind import bound_function as _function
-from kernels.cpu.bind import data_ptr as _ptr
-from kernels.cpu.build import load, unavailable_reason
-from kernels.reference import cache_row_width
-from kernels.cpu.blocks import (Q8_CACHE_CODES, BlockLinear, bf16_block_linear, attention_input,
+from pagoda_kernels.cpu.bind import DTYPE_SUFFIX as _SUFFIX
+from pagoda_kernels.cpu.bind import bound_function as _function
+from pagoda_kernels.cpu.bind import data_ptr as _ptr
+from pagoda_kernels.cpu.build import load, unavailable_reason
+from pagoda_kernels.reference import cache_row_width
+from pagoda_kernels.cpu.blocks import (Q8_CACHE_CODES, BlockLinear, bf16_block_linear, attention_input,
                                 f32_block_linear,
                                 attention_output_mlp, decode_layers, decode_weights,
                                 gguf_block_linear, int8_block_linear, layer_blocks_available,
                                 silu_mul)
-from kernels.cpu.gguf import gguf_dequantize, gguf_matmul, gguf_simd_available, set_gguf_simd
-from kernels.cpu.panels import (bf16_linear, bf16_matmul_available, bf16_matmul_paths,
+from pagoda_kernels.cpu.gguf import gguf_dequantize, gguf_matmul, gguf_simd_available, set_gguf_simd
+from pagoda_kernels.cpu.panels import (bf16_linear, bf16_matmul_available, bf16_matmul_paths,
                                 f32_linear, f32_matmul_available, pack_bf16_weight,
                                 pack_f32_weight, set_bf16_matmul, set_bf16_matmul_path,
                                 set_f32_matmul)
-from kernels.cpu.int8 import (INT8_PATHS, int8_kernels_available, int8_linear, int8_paths,
+from pagoda_kernels.cpu.int8 import (INT8_PATHS, int8_kernels_available, int8_linear, int8_paths,
                               pack_int8_weight, set_int8_path, unpack_int8_weight)
 
 __all__ = [
@@ -37,16 +37,16 @@ __all__ = [
     "causal_prefill_attention",
     # layer ops, sampling
     "rms_norm", "rotary_", "greedy_sample",
-    # kernels/cpu/panels.py: the bf16 and fp32 panel matmuls
+    # pagoda_kernels/cpu/panels.py: the bf16 and fp32 panel matmuls
     "set_bf16_matmul", "bf16_matmul_available", "bf16_matmul_paths", "set_bf16_matmul_path",
     "pack_bf16_weight", "bf16_linear", "set_f32_matmul", "f32_matmul_available",
     "pack_f32_weight", "f32_linear",
-    # kernels/cpu/blocks.py: the layer blocks
+    # pagoda_kernels/cpu/blocks.py: the layer blocks
     "Q8_CACHE_CODES", "BlockLinear", "bf16_block_linear", "f32_block_linear", "int8_block_linear",
     "gguf_block_linear",
     "layer_blocks_available", "attention_input", "attention_output_mlp", "decode_weights",
     "decode_layers", "silu_mul",
-    # kernels/cpu/gguf.py and int8.py
+    # pagoda_kernels/cpu/gguf.py and int8.py
     "gguf_dequantize", "gguf_matmul", "gguf_simd_available", "set_gguf_simd",
     "INT8_PATHS", "int8_kernels_available", "int8_linear", "int8_paths", "pack_int8_weight",
     "set_int8_path", "unpack_int8_weight",
@@ -83,7 +83,7 @@ def supports(dtype: torch.dtype, device: torch.device, num_heads: int, num_kv_he
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                    value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """As kernels.reference.write_kv_cache: key/value [T, num_kv_heads, head_dim] (each token's
+    """As pagoda_kernels.reference.write_kv_cache: key/value [T, num_kv_heads, head_dim] (each token's
     heads contiguous, tokens at any stride) -> the cache slots `slot_mapping` [T] int64,
     quantized into an 8-bit cache."""
     tokens, num_kv_heads, head_dim = key.shape
@@ -115,13 +115,13 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
                          f"{slots.min().item()}..{slots.max().item()}")
 
 
-# The 8-bit cache dtypes as kernels/cpu/kv_quant.h numbers them.
-_Q8_CODES = Q8_CACHE_CODES  # kv_quant.h's 8-bit formats (kernels/cpu/blocks.py)
+# The 8-bit cache dtypes as pagoda_kernels/cpu/kv_quant.h numbers them.
+_Q8_CODES = Q8_CACHE_CODES  # kv_quant.h's 8-bit formats (pagoda_kernels/cpu/blocks.py)
 
 
 def _write_kv_cache_q8(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                        value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """write_kv_cache into an 8-bit cache: each row quantized as kernels.reference.quantize_kv."""
+    """write_kv_cache into an 8-bit cache: each row quantized as pagoda_kernels.reference.quantize_kv."""
     tokens, num_kv_heads, head_dim = key.shape
     fn = _function("kv_cache_write_q8", None)
     if fn is None:
@@ -159,7 +159,7 @@ def _rows_contiguous(x: torch.Tensor) -> bool:
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
                            scale: float) -> torch.Tensor:
-    """As kernels.reference.paged_decode_attention, reading the cache blocks in place (an 8-bit
+    """As pagoda_kernels.reference.paged_decode_attention, reading the cache blocks in place (an 8-bit
     cache's rows converted as they are read).
     query [num_seqs, num_heads, head_dim] -> [num_seqs, num_heads, head_dim]."""
     del max_seq_len  # the kernel walks each sequence's own length
@@ -170,7 +170,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     assert key_cache.is_contiguous() and value_cache.is_contiguous()
     cache_code = _Q8_CODES.get(key_cache.dtype)
     # The kernel reads the cache as [.., num_kv_heads, row]: query's dtype and head_dim, or an
-    # 8-bit format's rows (kernels/reference.py).
+    # 8-bit format's rows (pagoda_kernels/reference.py).
     assert key_cache.dtype == value_cache.dtype
     assert cache_code is not None or key_cache.dtype == query.dtype
     assert (value_cache.shape == key_cache.shape
@@ -233,7 +233,7 @@ def _heads_contiguous(x: torch.Tensor) -> torch.Tensor:
 def causal_prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              query_start_loc: torch.Tensor, max_query_len: int, scale: float,
                              out: torch.Tensor | None = None) -> torch.Tensor:
-    """As kernels.reference.causal_prefill_attention, on the packed tokens with no padding:
+    """As pagoda_kernels.reference.causal_prefill_attention, on the packed tokens with no padding:
     query [T, num_heads, head_dim], key/value [T, num_kv_heads, head_dim] (each token's heads
     contiguous, tokens at any stride), query_start_loc [num_seqs + 1] int64
     -> [T, num_heads, head_dim], written into `out` (contiguous, query's shape and dtype) when

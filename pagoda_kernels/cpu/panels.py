@@ -6,9 +6,9 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.cpu.bind import bound_function as _function
-from kernels.cpu.bind import data_ptr as _ptr
-from kernels.cpu.build import load
+from pagoda_kernels.cpu.bind import bound_function as _function
+from pagoda_kernels.cpu.bind import data_ptr as _ptr
+from pagoda_kernels.cpu.build import load
 
 _bf16_on = True
 _f32_on = True

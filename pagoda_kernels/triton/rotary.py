@@ -17,14 +17,14 @@ product of the other two to it as one float32 fused multiply-add, the sum rounde
 dtype (torch's CPU addcmul rounds once in float32 too; its CUDA kernel gets the fma from nvcc's
 default contraction). In bf16 the product of two bf16 values is exact in float32, so there a
 separate multiply and add would give the same; in float32 they would not. The compiled CPU
-kernel (kernels.cpu.rotary_) rounds as Hugging Face does instead, both products to bf16 before
+kernel (pagoda_kernels.cpu.rotary_) rounds as Hugging Face does instead, both products to bf16 before
 the add, and may differ from this by one bf16 step.
 """
 import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.norm import round_to
+from pagoda_kernels.triton.norm import round_to
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -70,7 +70,7 @@ def _rotary_kernel(x_ptr, positions_ptr, cos_sin_ptr, x_stride, max_positions,
 def rotary_(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
     """Rotates x [T, heads, head_dim] in place (each token's heads contiguous, tokens at any
     stride) at `positions` [T] int64 with the table cos_sin [max_positions, 2, head_dim];
-    returns x. As kernels.cpu.rotary_, but a position outside the table is not checked (no
+    returns x. As pagoda_kernels.cpu.rotary_, but a position outside the table is not checked (no
     host sync): that token is left unrotated."""
     if x.dim() != 3:
         raise ValueError(f"rotary: x must be [T, heads, head_dim], got {tuple(x.shape)}")

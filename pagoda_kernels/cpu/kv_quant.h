@@ -1,4 +1,4 @@
-/* The 8-bit KV cache formats (kernels/reference.py has the layouts): conversions between float
+/* The 8-bit KV cache formats (pagoda_kernels/reference.py has the layouts): conversions between float
  * and fp8 e4m3 / e5m2 written as integer arithmetic that the compiler vectorises, and the int8
  * row's scale. Rounding is to nearest even and saturates to the format's largest finite value,
  * as the torch reference (clamp, then .to(float8)); NaN codes are never written. */

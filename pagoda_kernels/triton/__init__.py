@@ -1,5 +1,5 @@
 """Triton kernels for the CUDA path, one module per op, each computing what its torch
-counterpart (`kernels.reference` for attention) computes, with the same layouts: paged decode
+counterpart (`pagoda_kernels.reference` for attention) computes, with the same layouts: paged decode
 attention (`paged_attention`), prefill attention over a cached prefix (`prefill_attention`), and
 the layer ops beside them.
 

@@ -1,7 +1,7 @@
 /* Paged decode attention for the CPU: one query token per sequence reads its K/V blocks where
- * they lie in the cache, with no gathered copy (kernels/reference.py gathers, then calls SDPA).
+ * they lie in the cache, with no gathered copy (pagoda_kernels/reference.py gathers, then calls SDPA).
  *
- * Layouts (as in kernels/reference.py):
+ * Layouts (as in pagoda_kernels/reference.py):
  *   query        [num_seqs, num_heads, head_dim], rows `q_stride` elements apart
  *   key/value    [num_blocks, block_size, num_kv_heads, head_dim], contiguous
  *   block_tables [num_seqs, bt_stride] int64;  seq_lens [num_seqs] int64
@@ -12,7 +12,7 @@
  * float once and scored against all the query heads that share it, and a block is read in
  * memory order.
  * Softmax is computed online block by block (running max and sum, accumulators rescaled once per
- * block). Float accumulation for every dtype. Built by kernels/cpu/build.py with -O3
+ * block). Float accumulation for every dtype. Built by pagoda_kernels/cpu/build.py with -O3
  * -march=native -fopenmp; OpenMP is the same runtime torch uses, so torch.set_num_threads holds.
  */
 #include <math.h>

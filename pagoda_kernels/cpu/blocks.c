@@ -28,7 +28,7 @@
 enum { LINEAR_BF16 = 1, LINEAR_INT8 = 2, LINEAR_W8A8 = 3, LINEAR_GGUF = 4, LINEAR_F32 = 5 };
 #define MAX_PARTS 4
 
-/* A matmul weight [n, k] as one of the kernels holds it (mirrored by kernels/cpu/blocks.py). */
+/* A matmul weight [n, k] as one of the kernels holds it (mirrored by pagoda_kernels/cpu/blocks.py). */
 typedef struct {
     int64_t kind;     /* LINEAR_* */
     int64_t n, k;
@@ -76,7 +76,7 @@ static int run_linear(const linear_t *w, const void *x, int64_t x_stride, int64_
 /* act [rows, inter] = SiLU(gate) * up of gu [rows, 2 * inter] ([gate | up] per row), each op
  * rounded to the dtype as torch's F.silu(gate) * up rounds it; exp as exp_approx (common.h), so
  * that the loop vectorises. Also what SiluAndMulLinear runs for a gate/up weight whose kernel
- * does not fuse it (kernels/cpu/blocks.py: silu_mul), so that a model's layers give the same
+ * does not fuse it (pagoda_kernels/cpu/blocks.py: silu_mul), so that a model's layers give the same
  * numbers as blocks and module by module. */
 void silu_mul_rows(const void *gu, int64_t rows, int64_t inter, void *act, int bf16) {
     #pragma omp parallel for schedule(static) if(rows * inter >= PARALLEL_GRAIN)
@@ -145,7 +145,7 @@ int attention_output_mlp(const linear_t *o_w, const linear_t *gate_up_w, const l
     return run_linear(down_w, act, inter, rows, bf16, out);
 }
 
-/* One layer of decode_layers (mirrored by kernels/cpu/blocks.py). */
+/* One layer of decode_layers (mirrored by pagoda_kernels/cpu/blocks.py). */
 typedef struct {
     linear_t qkv, o, gate_up, down;
     const void *norm1, *norm2;     /* [hidden], activation dtype */

@@ -1,10 +1,10 @@
 """The compiled kernels' C functions with their ctypes signatures, bound once per name and dtype
-(shared by the wrappers in kernels/cpu/__init__.py, int8.py and gguf.py)."""
+(shared by the wrappers in pagoda_kernels/cpu/__init__.py, int8.py and gguf.py)."""
 import ctypes
 
 import torch
 
-from kernels.cpu.build import load
+from pagoda_kernels.cpu.build import load
 
 DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float

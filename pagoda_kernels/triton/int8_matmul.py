@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.norm import round_to
+from pagoda_kernels.triton.norm import round_to
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _DECODE_MIN_PROGRAMS = 256  # see _blocks
