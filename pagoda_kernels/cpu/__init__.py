@@ -1,6 +1,6 @@
 """CPU kernels in C (built on first use, see build.py): paged decode attention, causal prefill
-attention for whole prompts, the KV cache write, the element-wise layer ops, greedy sampling,
-the bf16 and fp32 panel matmuls (AMX, AVX512-BF16 or AVX-512 FMA), int8 weight-only and w8a8
+attention for whole prompts, the KV cache write, the element-wise layer ops, greedy sampling
+and the sampler's random draws (race_sample.c), the bf16 and fp32 panel matmuls (AMX, AVX512-BF16 or AVX-512 FMA), int8 weight-only and w8a8
 matmuls, matmuls on GGUF blocks (matmul_gguf.c), and a decoder layer's work around attention
 chained into two calls, or a decode step's layers into one (blocks.c). Each
 computes what its torch counterpart computes (pagoda_kernels/reference.py for attention and the cache
@@ -36,7 +36,8 @@ __all__ = [
     "paged_decode_attention", "prefill_paths", "set_prefill_path", "causal_prefill_supports",
     "causal_prefill_attention",
     # layer ops, sampling
-    "rms_norm", "rotary_", "greedy_sample",
+    "rms_norm", "rotary_", "greedy_sample", "race_sample_available", "race_sample",
+    "random_sample",
     # pagoda_kernels/cpu/panels.py: the bf16 and fp32 panel matmuls
     "set_bf16_matmul", "bf16_matmul_available", "bf16_matmul_paths", "set_bf16_matmul_path",
     "pack_bf16_weight", "bf16_linear", "set_f32_matmul", "f32_matmul_available",
@@ -325,3 +326,58 @@ def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _function("greedy_sample", logits.dtype)(logits.data_ptr(), logits.stride(0), rows, vocab,
                                              token_ids.data_ptr(), logprobs.data_ptr())
     return token_ids, logprobs
+
+
+def race_sample_available(x: torch.Tensor) -> bool:
+    """Whether `race_sample` and `random_sample` run on this tensor: CPU, float32 or bfloat16,
+    kernels built with AVX-512 (elsewhere the sampler keeps its torch ops)."""
+    if not available_for(x):
+        return False
+    lib = load()
+    return bool(lib.race_sample_available())
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
+def _uint32(keys: torch.Tensor) -> torch.Tensor:
+    """[N] int64 keys of 32 bits as int32 with the same bits (read as uint32 in C)."""
+    return keys.to(torch.int32).contiguous()  # the low 32 bits, wrapped
+
+
+def race_sample(x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """The exponential race of services/worker/sampler.py (`exponential_race`) over x [N, V]
+    (scaled and filtered logits, -inf excluded), row r with the 32-bit key keys[r]
+    (`noise_keys`): [N] int64 tokens, the torch version's draws up to the last bit of its
+    logarithms, with no [N, V] temporaries."""
+    x = _rows(x)
+    rows, vocab = x.shape
+    keys = _uint32(keys)  # (held here: a temporary's pointer would dangle in the call)
+    tokens = torch.empty(rows, dtype=torch.int64)
+    rc = _function("race_sample", x.dtype)(x.data_ptr(), x.stride(0), rows, vocab,
+                                          keys.data_ptr(), tokens.data_ptr())
+    if rc != 0:
+        raise RuntimeError("race_sample does not run here (no AVX-512)")
+    return tokens
+
+
+def random_sample(logits: torch.Tensor, temperature: torch.Tensor, is_greedy: torch.Tensor,
+                  keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampler's common case in one pass per row: logits [N, V] (float32 or bf16, read
+    without a float copy), no penalties, filters or top logprobs. Greedy rows take the argmax
+    (as `greedy_sample`), the others the race of `race_sample` over logits / temperature.
+    Returns (tokens [N] int64, their logprobs under the raw logits [N] float32)."""
+    logits = _rows(logits)
+    rows, vocab = logits.shape
+    temperature = temperature.to(torch.float32).contiguous()
+    greedy = is_greedy.to(torch.uint8).contiguous()
+    keys = _uint32(keys)
+    tokens = torch.empty(rows, dtype=torch.int64)
+    logprobs = torch.empty(rows, dtype=torch.float32)
+    rc = _function("random_sample", logits.dtype)(
+        logits.data_ptr(), logits.stride(0), rows, vocab, temperature.data_ptr(),
+        greedy.data_ptr(), keys.data_ptr(), tokens.data_ptr(), logprobs.data_ptr())
+    if rc != 0:
+        raise RuntimeError("random_sample does not run here (no AVX-512)")
+    return tokens, logprobs

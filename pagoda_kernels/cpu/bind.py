@@ -15,6 +15,8 @@ _SIGNATURES = {
     "rms_norm": ([_P, _I64, _P, _P, _P, _I64, _INT, _F], None),
     "rotary": ([_P, _I64, _P, _P, _I64, _INT, _INT, _I64], _INT),
     "greedy_sample": ([_P, _I64, _I64, _I64, _P, _P], None),
+    "race_sample": ([_P, _I64, _I64, _I64, _P, _P], _INT),
+    "random_sample": ([_P, _I64, _I64, _I64, _P, _P, _P, _P, _P], _INT),
     "matmul_bf16_pack": ([_P, _I64, _I64, _INT, _P], _INT),
     "matmul_bf16": ([_P, _I64, _I64, _P, _P, _I64, _I64, _INT, _P], _INT),
     "matmul_f32_pack": ([_P, _I64, _I64, _INT, _P], _INT),

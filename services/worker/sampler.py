@@ -37,6 +37,14 @@ class Sampler:
             # The common case in one pass per row: argmax and its logprob, no float copy.
             token_ids, token_logprobs = cpu_kernels.greedy_sample(logits)
             return SamplerResult(token_ids, token_logprobs, None, None)
+        if (t.penalties is None and t.max_num_logprobs == 0 and t.min_p is None
+                and t.top_k is None and t.top_p is None
+                and cpu_kernels.race_sample_available(logits)):
+            # Temperature only (what most clients send): the draw and its logprob in one pass
+            # per row, the noise made on the fly (the same draws as below).
+            token_ids, token_logprobs = cpu_kernels.random_sample(
+                logits, t.temperature, t.is_greedy, _keys(t))
+            return SamplerResult(token_ids, token_logprobs, None, None)
         logits = logits.float()  # [N, V]
         # 1) Normaliser of the raw distribution: logprob = logit - logsumexp, so no [N, V]
         #    log_softmax is kept.
@@ -114,10 +122,21 @@ def exponential_race(x: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     row's counter-based noise (seed, sample index, output index)."""
     # Exponential race: argmax p_i / E_i with E_i ~ Exp(1) draws i with probability p_i; in the
     # log domain the softmax normaliser drops out: argmax x_i - log E_i.
-    keys = noise_keys(t.seeds, t.sample_indices, t.output_indices)
+    keys = _keys(t)
+    if cpu_kernels.race_sample_available(x):
+        return cpu_kernels.race_sample(x, keys)  # the same race, no [N, V] temporaries
+    return exponential_race_torch(x, keys)
+
+
+def exponential_race_torch(x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """`exponential_race` in torch ops, from the rows' noise keys ([N], `noise_keys`)."""
     u = uniform_noise(keys, x.shape[1])  # [N, V] in (0, 1)
     exp_noise = u.neg_().log1p_().neg_()  # -log(1 - u): precise for the small E that win
     return (x - exp_noise.log_()).argmax(dim=-1)
+
+
+def _keys(t: SamplingTensors) -> torch.Tensor:
+    return noise_keys(t.seeds, t.sample_indices, t.output_indices)
 
 
 def _filters_in_triton(x: torch.Tensor) -> bool:
