@@ -24,7 +24,7 @@ SOURCES = ("paged_attention.c", "paged_attention_avx512.c", "layer_ops.c", "samp
            "matmul_bf16.c", "matmul_f32.c", "blocks.c", "kv_cache.c", "prefill_attention.c",
            "matmul_gguf.c", "matmul_int8.c", "race_sample.c")
 HEADERS = ("amx.h", "common.h", "paged_attention.h", "avx512.h", "layer_kernels.h",
-           "kv_quant.h")
+           "kv_quant.h", "sampling_row.h")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
 
 _lock = threading.Lock()

@@ -12,6 +12,7 @@
 #include <stdint.h>
 
 #include "common.h"
+#include "sampling_row.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -126,34 +127,23 @@ DEFINE_RACE(race_sample_bf16, race_row_bf16, uint16_t)
  * each greedy (greedy[r] != 0: the first argmax) or drawn by the race over logits /
  * temperature[r]; logprobs [rows] = the token's logprob under the raw logits,
  * x - max - log(sum(exp(x - max))), as greedy_sample computes it. Returns 0. */
-#define DEFINE_SAMPLE(NAME, ROW, T, TO_F)                                                       \
+#define DEFINE_SAMPLE(NAME, ROW, T, ROW_STATS, TO_F)                                            \
 int NAME(const T *logits, int64_t stride, int64_t rows, int64_t vocab,                         \
          const float *temperature, const uint8_t *greedy, const uint32_t *keys,                \
          int64_t *tokens, float *logprobs) {                                                    \
     _Pragma("omp parallel for schedule(static) if(rows * vocab >= PARALLEL_GRAIN)")            \
     for (int64_t r = 0; r < rows; r++) {                                                        \
         const T *x = logits + r * stride;                                                       \
-        float max = -INFINITY;                                                                  \
-        _Pragma("omp simd reduction(max:max)")                                                  \
-        for (int64_t i = 0; i < vocab; i++) max = TO_F(x[i]) > max ? TO_F(x[i]) : max;          \
-        int64_t best = vocab;                                                                   \
-        float sum = 0.0f;                                                                       \
-        _Pragma("omp simd reduction(+:sum) reduction(min:best)")                                \
-        for (int64_t i = 0; i < vocab; i++) {                                                   \
-            const float v = TO_F(x[i]);                                                         \
-            sum += exp_approx(v - max);                                                         \
-            best = v == max && i < best ? i : best;                                             \
-        }                                                                                       \
-        if (best == vocab) best = vocab - 1; /* no value equals max: all NaN */                 \
-        if (!greedy[r]) best = ROW(x, vocab, temperature[r], keys[r]);                          \
-        tokens[r] = best;                                                                       \
-        logprobs[r] = (TO_F(x[best]) - max) - logf(sum);                                        \
+        const row_stats_t st = ROW_STATS(x, vocab);                                             \
+        const int64_t token = greedy[r] ? st.first : ROW(x, vocab, temperature[r], keys[r]);    \
+        tokens[r] = token;                                                                      \
+        logprobs[r] = (TO_F(x[token]) - st.max) - logf(st.sum);                                 \
     }                                                                                           \
     return 0;                                                                                   \
 }
 
-DEFINE_SAMPLE(random_sample_f32, race_row_f32, float, f32_id)
-DEFINE_SAMPLE(random_sample_bf16, race_row_bf16, uint16_t, bf16_to_float)
+DEFINE_SAMPLE(random_sample_f32, race_row_f32, float, row_stats_f32, f32_id)
+DEFINE_SAMPLE(random_sample_bf16, race_row_bf16, uint16_t, row_stats_bf16, bf16_to_float)
 
 int race_sample_available(void) { return 1; }
 
