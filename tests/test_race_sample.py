@@ -1,8 +1,8 @@
 """The sampler's random draws in C (pagoda_kernels/cpu/race_sample.c) against the torch ops they
 replace: the exponential race token for token, over fresh random logits of many shapes and
-scales (scale 0: the noise alone decides), with filtered (-inf) entries, float32 and bf16; the
-temperature-only path with greedy rows mixed in, and its logprobs; and the Sampler giving the
-same draws with the kernels and without them."""
+scales (scale 0: the noise alone decides), with filtered (-inf) entries, ties and strided rows,
+float32 and bf16; the temperature-only path with greedy rows mixed in, and its logprobs; and
+the Sampler taking each path where it should, with the same draws as without the kernels."""
 import pytest
 import torch
 
@@ -42,12 +42,30 @@ def test_race_sample_draws_the_torch_races_tokens(dtype, rows, vocab, scale):
         assert (got % 3 != 1).all()
 
 
-def test_race_sample_reads_strided_rows():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_race_sample_reads_strided_rows(dtype):
     g = torch.Generator().manual_seed(1)
-    wide = torch.randn(6, 3000, generator=g)
+    wide = torch.randn(6, 3000, generator=g).to(dtype)
     x = wide[:, 500:2500]
     keys = keys_for(6, 1)
-    assert cpu_kernels.race_sample(x, keys).tolist() == exponential_race_torch(x, keys).tolist()
+    assert (cpu_kernels.race_sample(x, keys).tolist()
+            == exponential_race_torch(x.float(), keys).tolist())
+
+
+def test_race_sample_ties_and_rows_with_nothing_to_draw_go_as_torch_argmax():
+    """+inf twice in a row (the first wins, whichever lanes hold them), a row all -inf (token
+    0), a row whose one finite value sits in the last, partial vector."""
+    x = torch.full((3, 40), float("-inf"))
+    x[0, 5] = x[0, 37] = x[0, 21] = float("inf")
+    x[2, 38] = 1.0
+    keys = keys_for(3, 4)
+    assert cpu_kernels.race_sample(x, keys).tolist() == [5, 0, 38]
+    assert exponential_race_torch(x, keys).tolist() == [5, 0, 38]
+
+
+def test_race_sample_refuses_keys_that_are_not_one_per_row():
+    with pytest.raises(ValueError, match="one per row"):
+        cpu_kernels.race_sample(torch.zeros(4, 10), keys_for(3, 0))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -68,17 +86,30 @@ def test_random_sample_draws_at_each_rows_temperature_and_argmaxes_greedy_rows(d
     assert (logprobs - raw).abs().max() < 5e-5
 
 
-def test_the_sampler_draws_the_same_with_and_without_the_kernels(monkeypatch):
-    """A temperature-only batch (the one-call path) and one with top-k / top-p (torch filters,
-    then the C race) against the torch ops alone."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_sampler_draws_the_same_with_and_without_the_kernels(monkeypatch, dtype):
+    """A temperature-only batch with greedy rows mixed in (the one-call path), one with top-k /
+    top-p and one asking for logprobs (torch ops, then the C race) against the torch ops alone;
+    each takes the path it should."""
     g = torch.Generator().manual_seed(3)
-    logits = torch.randn(12, 5000, generator=g) * 2
-    batches = [[row(SamplingParams(temperature=0.7 + 0.1 * i), seed=i) for i in range(12)],
-               [row(SamplingParams(temperature=1.0, top_k=50, top_p=0.9), seed=i)
-                for i in range(12)]]
-    for rows in batches:
+    logits = (torch.randn(12, 5000, generator=g) * 2).to(dtype)
+    batches = {
+        "random_sample": [row(SamplingParams(temperature=0.0 if i % 3 == 0 else 0.7 + 0.1 * i),
+                              seed=i) for i in range(12)],
+        "race_sample": [row(SamplingParams(temperature=1.0, top_k=50, top_p=0.9), seed=i)
+                        for i in range(12)],
+        "logprobs": [row(SamplingParams(temperature=0.9, logprobs=2), seed=i) for i in range(12)],
+    }
+    for path, rows in batches.items():
         tensors = SamplingTensors.from_rows(rows, logits.shape[1], "cpu")
-        with_kernels = Sampler()(logits, tensors)
+        calls = []
+        with monkeypatch.context() as m:
+            for name in ("random_sample", "race_sample"):
+                kernel = getattr(sampler_module.cpu_kernels, name)
+                m.setattr(sampler_module.cpu_kernels, name,
+                          lambda *a, _k=kernel, _n=name: calls.append(_n) or _k(*a))
+            with_kernels = Sampler()(logits, tensors)
+        assert calls == (["race_sample"] if path == "logprobs" else [path])
         with monkeypatch.context() as m:
             m.setattr(sampler_module.cpu_kernels, "race_sample_available", lambda x: False)
             without = Sampler()(logits, tensors)

@@ -317,9 +317,9 @@ def _positions_outside(positions: torch.Tensor, cos_sin: torch.Tensor) -> IndexE
 
 def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [N, V] -> (argmax token ids [N] int64, their logprobs [N] float32), the first
-    index on ties as torch.argmax; reads bf16 logits without a float copy."""
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
+    index on ties as torch.argmax (NaNs skipped, where torch.argmax would pick the first);
+    reads bf16 logits without a float copy."""
+    logits = _unit_stride_rows(logits)
     rows, vocab = logits.shape
     token_ids = torch.empty(rows, dtype=torch.int64)
     logprobs = torch.empty(rows, dtype=torch.float32)
@@ -330,54 +330,58 @@ def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def race_sample_available(x: torch.Tensor) -> bool:
     """Whether `race_sample` and `random_sample` run on this tensor: CPU, float32 or bfloat16,
-    kernels built with AVX-512 (elsewhere the sampler keeps its torch ops)."""
+    kernels built with AVX-512 F/BW/VL (elsewhere the sampler keeps its torch ops)."""
     if not available_for(x):
         return False
     lib = load()
     return bool(lib.race_sample_available())
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(1) == 1 else x.contiguous()
+def _unit_stride_rows(x: torch.Tensor) -> torch.Tensor:
+    return x if _rows_contiguous(x) else x.contiguous()
 
 
-def _uint32(keys: torch.Tensor) -> torch.Tensor:
-    """[N] int64 keys of 32 bits as int32 with the same bits (read as uint32 in C)."""
-    return keys.to(torch.int32).contiguous()  # the low 32 bits, wrapped
+def _per_row(name: str, values: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
+    if values.shape != (rows,):
+        raise ValueError(f"{name}: shape {tuple(values.shape)}, one per row ({rows}) expected")
+    return values.to(dtype).contiguous()
 
 
 def race_sample(x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """The exponential race of services/worker/sampler.py (`exponential_race`) over x [N, V]
     (scaled and filtered logits, -inf excluded), row r with the 32-bit key keys[r]
     (`noise_keys`): [N] int64 tokens, the torch version's draws up to the last bit of its
-    logarithms, with no [N, V] temporaries."""
-    x = _rows(x)
+    logarithms (a NaN key is never drawn), with no [N, V] temporaries."""
+    x = _unit_stride_rows(x)
     rows, vocab = x.shape
-    keys = _uint32(keys)  # (held here: a temporary's pointer would dangle in the call)
+    # The low 32 bits as int32 (read as uint32 in C), held here: a temporary's pointer would
+    # dangle during the call.
+    keys = _per_row("race_sample keys", keys, rows, torch.int32)
     tokens = torch.empty(rows, dtype=torch.int64)
     rc = _function("race_sample", x.dtype)(x.data_ptr(), x.stride(0), rows, vocab,
                                           keys.data_ptr(), tokens.data_ptr())
     if rc != 0:
-        raise RuntimeError("race_sample does not run here (no AVX-512)")
+        raise RuntimeError("race_sample does not run here (no AVX-512 BW/VL)")
     return tokens
 
 
 def random_sample(logits: torch.Tensor, temperature: torch.Tensor, is_greedy: torch.Tensor,
                   keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sampler's common case in one pass per row: logits [N, V] (float32 or bf16, read
+    """The sampler's temperature-only path in one call: logits [N, V] (float32 or bf16, read
     without a float copy), no penalties, filters or top logprobs. Greedy rows take the argmax
     (as `greedy_sample`), the others the race of `race_sample` over logits / temperature.
-    Returns (tokens [N] int64, their logprobs under the raw logits [N] float32)."""
-    logits = _rows(logits)
+    Three passes over each row, the last two from cache. Returns (tokens [N] int64, their
+    logprobs under the raw logits [N] float32)."""
+    logits = _unit_stride_rows(logits)
     rows, vocab = logits.shape
-    temperature = temperature.to(torch.float32).contiguous()
-    greedy = is_greedy.to(torch.uint8).contiguous()
-    keys = _uint32(keys)
+    temperature = _per_row("random_sample temperature", temperature, rows, torch.float32)
+    greedy = _per_row("random_sample is_greedy", is_greedy, rows, torch.uint8)
+    keys = _per_row("random_sample keys", keys, rows, torch.int32)
     tokens = torch.empty(rows, dtype=torch.int64)
     logprobs = torch.empty(rows, dtype=torch.float32)
     rc = _function("random_sample", logits.dtype)(
         logits.data_ptr(), logits.stride(0), rows, vocab, temperature.data_ptr(),
         greedy.data_ptr(), keys.data_ptr(), tokens.data_ptr(), logprobs.data_ptr())
     if rc != 0:
-        raise RuntimeError("random_sample does not run here (no AVX-512)")
+        raise RuntimeError("random_sample does not run here (no AVX-512 BW/VL)")
     return tokens, logprobs

@@ -1,12 +1,16 @@
-/* Random draws for the sampler on CPUs with AVX-512: the exponential race of
- * services/worker/sampler.py (`exponential_race`) in one pass per row, with no [rows, vocab]
- * temporaries. The torch version builds its noise in ~15 full passes over [rows, vocab] int64
- * and float tensors; at 64 rows of a 49k vocabulary that was ~20 ms of a ~120 ms decode step.
+/* Random draws for the sampler on CPUs with AVX-512 (F, BW, VL): the exponential race of
+ * services/worker/sampler.py (`exponential_race`) with no [rows, vocab] temporaries, and the
+ * sampler's temperature-only path built on it. The torch race builds its noise in ~15 full
+ * passes over [rows, vocab] int64 and float tensors; at 64 rows of a 49k vocabulary the whole
+ * torch draw (float copy, logsumexp, temperature, noise, race) took ~39 ms of a ~120 ms decode
+ * step.
  *
  * Per row: token = the first argmax_i of x_i - log(E_i), E_i = -log1p(-u_i), with u_i the row's
  * uniform noise for vocab id i computed as `uniform_noise` computes it (a 32-bit hash of the
- * row's key and i, to (0, 1) in float32): the torch version's draw up to the last bit of the
- * two logarithms. Without AVX-512 the functions return -2 and the sampler keeps torch's.
+ * row's key and i, to (0, 1) in float32), in one pass: the torch race's draw up to the last bit
+ * of the two logarithms. Unlike torch's argmax, a NaN key is never drawn (torch would draw the
+ * first NaN; only a broken model gives NaN logits). Without AVX-512 BW/VL the functions return
+ * -2 and the sampler keeps torch's ops.
  */
 #include <math.h>
 #include <stdint.h>
@@ -14,7 +18,7 @@
 #include "common.h"
 #include "sampling_row.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 
 #include "avx512.h"
@@ -115,7 +119,7 @@ DEFINE_RACE_ROW(race_row_bf16, uint16_t, load16_bf16_masked)
 #define DEFINE_RACE(NAME, ROW, T)                                                               \
 int NAME(const T *x, int64_t stride, int64_t rows, int64_t vocab, const uint32_t *keys,       \
          int64_t *tokens) {                                                                     \
-    _Pragma("omp parallel for schedule(static) if(rows * vocab >= PARALLEL_GRAIN)")            \
+    _Pragma("omp parallel for schedule(static) if(rows > 1 && rows * vocab >= PARALLEL_GRAIN)")            \
     for (int64_t r = 0; r < rows; r++) tokens[r] = ROW(x + r * stride, vocab, 1.0f, keys[r]);  \
     return 0;                                                                                   \
 }
@@ -123,15 +127,17 @@ int NAME(const T *x, int64_t stride, int64_t rows, int64_t vocab, const uint32_t
 DEFINE_RACE(race_sample_f32, race_row_f32, float)
 DEFINE_RACE(race_sample_bf16, race_row_bf16, uint16_t)
 
-/* The sampler's common case in one call: rows without penalties, filters or top logprobs,
- * each greedy (greedy[r] != 0: the first argmax) or drawn by the race over logits /
- * temperature[r]; logprobs [rows] = the token's logprob under the raw logits,
- * x - max - log(sum(exp(x - max))), as greedy_sample computes it. Returns 0. */
+/* The sampler's temperature-only path in one call: rows without penalties, filters or top
+ * logprobs, each greedy (greedy[r] != 0: the first argmax, NaNs skipped, as greedy_sample) or
+ * drawn by the race over logits / temperature[r]; logprobs [rows] = the token's logprob under
+ * the raw logits, x - max - log(sum(exp(x - max))). Three passes over a row, the last two from
+ * cache: the max, then the exponentials' sum and first argmax (sampling_row.h), then the race.
+ * Returns 0. */
 #define DEFINE_SAMPLE(NAME, ROW, T, ROW_STATS, TO_F)                                            \
 int NAME(const T *logits, int64_t stride, int64_t rows, int64_t vocab,                         \
          const float *temperature, const uint8_t *greedy, const uint32_t *keys,                \
          int64_t *tokens, float *logprobs) {                                                    \
-    _Pragma("omp parallel for schedule(static) if(rows * vocab >= PARALLEL_GRAIN)")            \
+    _Pragma("omp parallel for schedule(static) if(rows > 1 && rows * vocab >= PARALLEL_GRAIN)")            \
     for (int64_t r = 0; r < rows; r++) {                                                        \
         const T *x = logits + r * stride;                                                       \
         const row_stats_t st = ROW_STATS(x, vocab);                                             \
@@ -147,7 +153,7 @@ DEFINE_SAMPLE(random_sample_bf16, race_row_bf16, uint16_t, row_stats_bf16, bf16_
 
 int race_sample_available(void) { return 1; }
 
-#else /* no AVX-512: the sampler keeps its torch ops */
+#else /* no AVX-512 BW/VL (the masked bf16 loads): the sampler keeps its torch ops */
 
 int race_sample_available(void) { return 0; }
 

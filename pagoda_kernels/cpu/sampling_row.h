@@ -10,7 +10,7 @@
 
 typedef struct {
     float max, sum;  /* logprob of index i: x[i] - max - log(sum) */
-    int64_t first;   /* the first index of the max (vocab - 1 when no value equals it: NaNs) */
+    int64_t first;   /* the first index of the max; NaNs are skipped (vocab - 1 when all NaN) */
 } row_stats_t;
 
 /* Two vectorised passes over the row (the second from cache). The first index of the max is

@@ -40,8 +40,8 @@ class Sampler:
         if (t.penalties is None and t.max_num_logprobs == 0 and t.min_p is None
                 and t.top_k is None and t.top_p is None
                 and cpu_kernels.race_sample_available(logits)):
-            # Temperature only (what most clients send): the draw and its logprob in one pass
-            # per row, the noise made on the fly (the same draws as below).
+            # Temperature only (what most clients send): the draw and its logprob in one call,
+            # the noise made on the fly (the same draws as below).
             token_ids, token_logprobs = cpu_kernels.random_sample(
                 logits, t.temperature, t.is_greedy, _keys(t))
             return SamplerResult(token_ids, token_logprobs, None, None)
