@@ -32,16 +32,17 @@ class SamplerResult:
 class Sampler:
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerResult:
         assert logits.shape == (t.num_rows, t.vocab_size), (logits.shape, t.num_rows, t.vocab_size)
-        if (t.all_greedy and t.penalties is None and t.max_num_logprobs == 0
-                and cpu_kernels.available_for(logits)):
-            # The common case in one pass per row: argmax and its logprob, no float copy.
+        # No penalties and no top logprobs: the CPU kernels draw straight from the logits (no
+        # float copy) and return the drawn token's logprob with it.
+        plain = t.penalties is None and t.max_num_logprobs == 0
+        if plain and t.all_greedy and cpu_kernels.available_for(logits):
+            # argmax and its logprob in two passes per row
             token_ids, token_logprobs = cpu_kernels.greedy_sample(logits)
             return SamplerResult(token_ids, token_logprobs, None, None)
-        if (t.penalties is None and t.max_num_logprobs == 0 and t.min_p is None
-                and t.top_k is None and t.top_p is None
+        if (plain and t.min_p is None and t.top_k is None and t.top_p is None
                 and cpu_kernels.race_sample_available(logits)):
-            # Temperature only (what most clients send): the draw and its logprob in one call,
-            # the noise made on the fly (the same draws as below).
+            # Temperature only (what most clients send): the noise made on the fly, the same
+            # draws as below.
             token_ids, token_logprobs = cpu_kernels.random_sample(
                 logits, t.temperature, t.is_greedy, _keys(t))
             return SamplerResult(token_ids, token_logprobs, None, None)
