@@ -149,8 +149,10 @@ class RequestTokenDelta:
     sampling_params: SamplingParams | None = None
     prompt_tail_token_ids: list[int] = field(default_factory=list)
     prompt: PromptDelta | None = None  # with a header, when the request asked for it
-    # With a header: seconds from the request's arrival to its first schedule.
+    # With a header: seconds from the request's arrival to its first schedule, and how many
+    # of its prompt tokens the prefix cache held then.
     queue_time_s: float | None = None
+    num_cached_tokens: int | None = None
 
 
 @dataclass
@@ -195,6 +197,7 @@ class RequestTextDelta:
     usage: Usage
     prompt: PromptDelta | None = None  # see RequestTokenDelta
     queue_time_s: float | None = None
+    num_cached_tokens: int | None = None
 
 
 @dataclass

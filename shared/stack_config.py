@@ -67,6 +67,9 @@ class StackConfig:
     # A request's own `chat_template` is Jinja that the gateway and the tokenizers run: refused
     # (400) unless the operator trusts its clients with that (vLLM's flag of the same name).
     trust_request_chat_template: bool = False
+    # usage.prompt_tokens_details.cached_tokens in responses: the prompt tokens the prefix
+    # cache held (vLLM's flag of the same name; without it the field is null, as in vLLM).
+    enable_prompt_tokens_details: bool = False
 
     def __post_init__(self):
         self.run_dir = self.run_dir or os.environ.get("PAGODA_RUN_DIR") or default_run_dir()
@@ -135,8 +138,11 @@ class StackConfig:
         group = parser.add_argument_group("stack addresses (default: PAGODA_* environment, "
                                           "then ipc files in the run directory)")
         for f in fields(cls):
+            # A switch may stand alone (`--trust-request-chat-template`, as vLLM takes it)
+            # or take a value (`... false`).
+            switch = {"nargs": "?", "const": True} if isinstance(f.default, bool) else {}
             group.add_argument("--" + f.name.replace("_", "-"), default=None,
-                               type=lambda text, d=f.default: _from_text(text, d))
+                               type=lambda text, d=f.default: _from_text(text, d), **switch)
         return parser
 
     @property

@@ -40,3 +40,18 @@ def test_boolean_settings_read_from_the_environment(monkeypatch):
     monkeypatch.setenv("PAGODA_TRUST_REQUEST_CHAT_TEMPLATE", "maybe")
     with pytest.raises(ValueError, match="not a boolean"):
         StackConfig(run_dir="/tmp/x")
+
+
+def test_boolean_settings_as_flags_stand_alone_or_take_a_value():
+    # `--enable-prompt-tokens-details` alone, as vLLM takes it, or with a value; unset (None),
+    # the environment or the default decides.
+    import argparse
+
+    from shared.stack_config import StackConfig
+    parser = StackConfig.add_cli_args(argparse.ArgumentParser())
+    for argv, value in [([], None), (["--enable-prompt-tokens-details"], True),
+                        (["--enable-prompt-tokens-details", "false"], False),
+                        (["--enable-prompt-tokens-details", "1"], True)]:
+        assert parser.parse_args(argv).enable_prompt_tokens_details is value
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--enable-prompt-tokens-details", "maybe"])

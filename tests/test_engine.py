@@ -140,6 +140,8 @@ def test_prefix_cache_blocks_are_shared_only_by_requests_with_an_equal_cache_sal
             outputs += [out for out in engine.step() if out.finished]
         hits.append(bm.num_hit_blocks - hits_before)
     assert hits[1:] == [0, 0, 3]  # the unsalted run (maybe a hit itself) serves neither salt
+    # Each output reports its hit in tokens, as vLLM's RequestOutput.num_cached_tokens.
+    assert [out.num_cached_tokens for out in outputs[1:]] == [0, 0, 48]
     assert_greedy_parity(outputs, reference, "cache salts")
     assert free_blocks_are_all(engine)
 

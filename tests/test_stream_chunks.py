@@ -92,7 +92,7 @@ NO_USAGE = object()  # the client did not ask for usage: no `usage` field at all
 
 
 def _chat_chunk(choice: dict, usage=NO_USAGE, **parts) -> dict:
-    """As the gateway's chat stream composes a chunk (openai_serving.ChatServing): `usage` a
+    """As the gateway's chat stream composes a chunk (serving_chat.ChatServing): `usage` a
     `usage_dict` or None."""
     data = {**chunk_head(CHAT_HEAD["id"], "chat.completion.chunk", CHAT_HEAD["created"],
                          CHAT_HEAD["model"]), "choices": [choice]}

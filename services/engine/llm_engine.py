@@ -435,7 +435,8 @@ class LLMEngine:
         return RequestOutput(
             request_id=group.request_id, prompt=group.prompt,
             prompt_token_ids=group.prompt_token_ids, prompt_logprobs=group.prompt_logprobs,
-            outputs=completions, finished=finished, metrics=group.metrics, error=group.error)
+            outputs=completions, finished=finished, metrics=group.metrics,
+            num_cached_tokens=group.num_cached_tokens or 0, error=group.error)
 
     def _forget(self, group: SequenceGroup) -> None:
         if self.groups.get(group.request_id) is group:  # not a later request of the same id

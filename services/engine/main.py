@@ -561,7 +561,8 @@ class EngineService:
         return RequestTokenDelta(
             group.request_id, gateway, group.prompt_len, seqs, sampling_params=params,
             prompt_tail_token_ids=group.prompt_token_ids[-_DETOK_CONTEXT:],
-            prompt=_prompt_delta(group), queue_time_s=group.metrics.time_in_queue)
+            prompt=_prompt_delta(group), queue_time_s=group.metrics.time_in_queue,
+            num_cached_tokens=group.num_cached_tokens)
 
     def _detokenizer_for(self, request_id: str) -> bytes | None:
         detok = self.detok_of.get(request_id)

@@ -231,6 +231,8 @@ class Scheduler:
             if group.metrics.first_scheduled_time is None:
                 group.metrics.first_scheduled_time = now
                 group.metrics.time_in_queue = now - group.metrics.arrival_time
+            if group.num_cached_tokens is None:
+                group.num_cached_tokens = seqs[0].num_computed_tokens
             self._schedule_group(group, seqs, chunk, out, budget)
             self.running.append(group)
 

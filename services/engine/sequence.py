@@ -131,6 +131,8 @@ class SequenceGroup:
         self.params_sent = False  # the worker has this request's sampling parameters
         self.error: str | None = None  # why the engine could not serve it, if it could not
         self.header_sent = False  # the detokenizer has this request's parameters
+        # Prompt tokens found in the prefix cache when the request was first scheduled.
+        self.num_cached_tokens: int | None = None
         self.return_prompt_token_ids = False  # the client wants them with the first output
         self.prompt_logprobs: list[dict[int, float] | None] | None = (
             [None] if sampling_params.prompt_logprobs is not None else None)

@@ -20,10 +20,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from services.gateway.chat_tools import ChatSettings
 from services.gateway.client import EngineRequestError
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.openai_serving import (APIError, ChatServing, CompletionServing,
-                                             api_error_from_engine, error_body)
+from services.gateway.api_errors import APIError, api_error_from_engine, error_body
 from services.gateway.schemas import (ChatCompletionRequest, CompletionRequest, ModelCard,
                                       ModelList)
+from services.gateway.serving_chat import ChatServing
+from services.gateway.serving_completion import CompletionServing
 from services.gateway.stack_health import StackHealth
 from services.gateway.streaming import BODY_SEND_KEY
 from services.gateway.tokenize_endpoints import GatewayTokenizer, add_tokenize_routes
@@ -48,6 +49,8 @@ class GatewaySettings:
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     trust_request_chat_template: bool = False  # see ChatSettings
+    # `usage.prompt_tokens_details.cached_tokens` in responses (vLLM's flag of the same name).
+    enable_prompt_tokens_details: bool = False
 
 
 class PendingRequests:
@@ -179,8 +182,10 @@ def create_app(client, settings: GatewaySettings) -> FastAPI:
     pending = PendingRequests(settings.max_pending_requests, metrics)
     decoder = PromptDecoder(settings.tokenizer)
     completions = CompletionServing(client, settings.model_name, metrics, decoder,
-                                    settings.disconnect_poll_s)
+                                    settings.disconnect_poll_s,
+                                    settings.enable_prompt_tokens_details)
     chat = ChatServing(client, settings.model_name, metrics, decoder, settings.disconnect_poll_s,
+                       settings.enable_prompt_tokens_details,
                        chat_settings=ChatSettings(settings.tool_call_parser,
                                                   settings.reasoning_parser,
                                                   settings.trust_request_chat_template))

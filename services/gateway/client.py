@@ -626,6 +626,7 @@ class AsyncEngineClient:
             # carries the prompt's part again.
             stream.header_seen = True
             out.queue_time_s = delta.queue_time_s
+            out.num_cached_tokens = delta.num_cached_tokens or 0
             if delta.prompt is not None:
                 _add_prompt(out, delta.prompt)
         return out

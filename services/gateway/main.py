@@ -116,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
         tokenizer=args.tokenizer or args.model,
         tool_call_parser=stack.tool_call_parser or None,
         reasoning_parser=stack.reasoning_parser or None,
-        trust_request_chat_template=stack.trust_request_chat_template)
+        trust_request_chat_template=stack.trust_request_chat_template,
+        enable_prompt_tokens_details=stack.enable_prompt_tokens_details)
     try:
         from services.gateway.chat_tools import ChatSettings
         ChatSettings(settings.tool_call_parser, settings.reasoning_parser)

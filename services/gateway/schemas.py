@@ -110,10 +110,16 @@ class ExtraRequestFields(ExtraSamplingFields):
     vllm_xargs: dict[str, Any] | None = None
 
 
+class PromptTokensDetails(ResponseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV the prefix cache already held
+
+
 class UsageInfo(ResponseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    # With --enable-prompt-tokens-details (vLLM's flag); null without it, as vLLM sends it.
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 # -- /v1/completions ------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ def usage_dict(out: RequestOutput, with_output: bool = True) -> dict:
     """`extensions.usage_so_far` as a dict: one engine request's usage up to this output."""
     p = out.num_prompt_tokens or 0
     c = (out.num_output_tokens or 0) if with_output else 0
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": None}
 
 
 @dataclass

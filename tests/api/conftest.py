@@ -18,10 +18,12 @@ MAX_MODEL_LEN = 1024
 ENGINE_ARGS = {"kv_cache_space_gib": 0.25, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 32}
 # Settings of the stack's services (the compose file's environment variables).
 # Chat: the shipped tool template, hermes tool calls and qwen3 <think> spans (tests/api/
-# test_tools.py, test_chat_template.py); other tests' outputs are the same with them.
+# test_tools.py, test_chat_template.py); other tests' outputs are the same with them. Usage
+# with its cached prompt tokens (test_extensions.py).
 STACK_ENV = {"PAGODA_TRUST_REQUEST_CHAT_TEMPLATE": "true",
              "PAGODA_LIVENESS_TIMEOUT_S": "60", "PAGODA_CHAT_TEMPLATE": "hermes_tools",
-             "PAGODA_TOOL_CALL_PARSER": "hermes", "PAGODA_REASONING_PARSER": "qwen3"}
+             "PAGODA_TOOL_CALL_PARSER": "hermes", "PAGODA_REASONING_PARSER": "qwen3",
+             "PAGODA_ENABLE_PROMPT_TOKENS_DETAILS": "true"}
 
 # A second name for the model (--served-model-name MODEL MODEL_ALIAS): requests may use either.
 MODEL_ALIAS = "pagoda-test-alias"

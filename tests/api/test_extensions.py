@@ -1,6 +1,7 @@
 """vLLM's request extensions and OpenAI's remaining request fields, against the session stack:
 each changes the output as vLLM's and OpenAI's docs say, and a bad value is a 400 naming it."""
 import json
+import uuid
 
 import openai
 import pytest
@@ -13,6 +14,7 @@ PROMPT = "The capital of France is"
 CHAT_TURN = ("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
              "<|im_start|>assistant\n")
 GREEDY = {"temperature": 0.0}
+BLOCK_SIZE = 16  # the stack's KV block size (the default)
 
 
 def complete(http, **body) -> dict:
@@ -98,8 +100,36 @@ def test_return_token_ids_streamed(http):
     assert http.post("/detokenize", json={"tokens": ids}).json()["prompt"] == text
     # Without continuous_usage_stats only the final chunk has the usage.
     assert all(u is None for has_choices, u in usages if has_choices)
-    assert usages[-1] == (False, {"prompt_tokens": len(prompt_ids), "completion_tokens": 4,
-                                  "total_tokens": len(prompt_ids) + 4})
+    has_choices, usage = usages[-1]
+    cached = usage.pop("prompt_tokens_details")["cached_tokens"]
+    assert not has_choices and 0 <= cached < len(prompt_ids)
+    assert usage == {"prompt_tokens": len(prompt_ids), "completion_tokens": 4,
+                     "total_tokens": len(prompt_ids) + 4}
+
+
+def test_cached_tokens_in_the_usage_count_the_prompt_found_in_the_prefix_cache(client):
+    # The stack runs with --enable-prompt-tokens-details (conftest.py). A new prompt: nothing
+    # of it is cached; sent again, its whole blocks are (all but the last token, which is
+    # always computed), and the usage says so in every form of response.
+    prompt = f"{uuid.uuid4().hex} " + " ".join([PROMPT + " Paris."] * 8)
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    n = first.usage.prompt_tokens
+    assert n > 2 * BLOCK_SIZE
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == (n - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+    # Chat, streamed with include_usage: the final chunk's usage.
+    def chat_cached_tokens() -> tuple[int, int]:
+        stream = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": prompt + " Again."}],
+            max_tokens=1, stream=True, stream_options={"include_usage": True})
+        usage = [c.usage for c in stream if c.usage is not None][-1]
+        return usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens
+    m, chat_first = chat_cached_tokens()
+    assert chat_cached_tokens() == (m, (m - 1) // BLOCK_SIZE * BLOCK_SIZE)
+    # The chat template's opening may be cached from other chats, the prompt's text is not.
+    assert chat_first < (m - 1) // BLOCK_SIZE * BLOCK_SIZE
 
 
 def test_prompt_logprobs_cover_the_prompt_with_the_first_null(http):
@@ -180,7 +210,13 @@ def test_continuous_usage_stats_put_usage_in_every_chunk(http):
         prompt_tokens = with_choices[0]["prompt_tokens"]
         assert prompt_tokens > 0 and all(u["prompt_tokens"] == prompt_tokens
                                          for u in with_choices)
-        assert every[-1] == (False, with_choices[-1])  # the final usage chunk
+        # The final usage chunk: the last counts, and (this stack runs with
+        # --enable-prompt-tokens-details) the cached prompt tokens, which only it carries.
+        has_choices, final = every[-1]
+        last = dict(with_choices[-1])
+        assert last.pop("prompt_tokens_details") is None
+        assert final.pop("prompt_tokens_details")["cached_tokens"] >= 0
+        assert not has_choices and final == last
     assert counts[0] == 0  # chat: the role chunk comes before any token
 
 
