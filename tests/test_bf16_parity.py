@@ -101,8 +101,11 @@ def turn_kernels_off(monkeypatch) -> None:
 
 @pytest.fixture(scope="module", params=["on", "off"])
 def pagoda(request, prompts):
-    """(kernels mode, pagoda's outputs, what ran): one bf16 LLM per mode, built and run with the
-    kernels in that state; the switch is undone afterwards (the outputs are all that is kept)."""
+    """(kernels mode, pagoda's outputs, its outputs of the same prompts again, what ran): one
+    bf16 LLM per mode, built and run with the kernels in that state; the switch is undone
+    afterwards (the outputs are all that is kept). The second run finds each prompt's whole
+    blocks in the prefix cache and computes only the rest, which sums attention in another
+    order: its tokens are checked against transformers' the same way."""
     from pagoda_kernels import cpu
     kernels = request.param
     with pytest.MonkeyPatch.context() as mp:
@@ -117,9 +120,10 @@ def pagoda(request, prompts):
         # Both sides stop at the end-of-sequence token, if one is the greedy choice.
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=TOP_K)
         outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        again = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         ran = (f"linear {packed.kind if packed else 'F.linear'}, attention "
                f"{runner.attn_backend.name}, {time.perf_counter() - start:.1f}s")
-    return kernels, outputs, ran
+    return kernels, outputs, again, ran
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -149,7 +153,18 @@ def compare(kernels, outputs, expected) -> tuple[list[str], list[str]]:
 
 
 def test_bf16_greedy_tokens_match_transformers_bf16_up_to_near_ties(pagoda, prompts, expected):
-    kernels, outputs, ran = pagoda
+    kernels, outputs, _, ran = pagoda
+    check_near_ties(kernels, outputs, prompts, expected, ran)
+
+
+def test_bf16_greedy_tokens_on_prefix_cache_hits_match_transformers_bf16_up_to_near_ties(
+        pagoda, prompts, expected):
+    kernels, _, again, ran = pagoda
+    assert [out.num_cached_tokens for out in again] == [(len(p) - 1) // 16 * 16 for p in prompts]
+    check_near_ties(f"{kernels}, prefix cache hits", again, prompts, expected, ran)
+
+
+def check_near_ties(kernels: str, outputs, prompts, expected, ran: str) -> None:
     errors, near_ties = compare(kernels, outputs, expected)
     print(f"\nbf16, kernels {kernels} ({ran}): {len(prompts)} prompts of "
           f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens, {len(near_ties)} near-ties")
