@@ -1,19 +1,20 @@
 """The gateway's waits, without a stack: a request's wait for its next item with one re-arming
-timer (services/gateway/client.py `_Stream.next_item`), and `EngineStreams.next_ready`, the
+timer (services/gateway/client.py `RequestStream.next_item`), and `EngineStreams.next_ready`, the
 look at the merged outputs that never waits (services/gateway/streaming.py)."""
 import asyncio
 
 import pytest
 
 from shared.outputs import CompletionOutput, RequestOutput
-from services.gateway.client import _TIMED_OUT, EngineRequestError, _Stream
+from services.gateway.client import EngineRequestError
+from services.gateway.request_stream import TIMED_OUT, RequestStream
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.streaming import NOT_READY, EngineStreams
 from shared.sampling_params import SamplingParams
 
 
-def _stream() -> _Stream:
-    return _Stream(asyncio.Queue(), 0, "prompt", SamplingParams(), 0.0)
+def _stream() -> RequestStream:
+    return RequestStream(asyncio.Queue(), 0, "prompt", SamplingParams(), 0.0)
 
 
 def _run(coro):
@@ -35,17 +36,17 @@ async def _put_later(queue: asyncio.Queue, delays: list[float]) -> None:
         queue.put_nowait(k)
 
 
-# -- _Stream.next_item --------------------------------------------------------------------------
+# -- RequestStream.next_item --------------------------------------------------------------------------
 def test_a_wait_times_out_after_its_timeout():
     async def go():
         stream, loop = _stream(), asyncio.get_running_loop()
         start = loop.time()
-        assert await stream.next_item(0.2) is _TIMED_OUT
+        assert await stream.next_item(0.2) is TIMED_OUT
         assert loop.time() - start >= 0.2
         assert stream.deadline is None  # not waiting any more
         # Again, after a timeout (a request waiting on an engine that is away does this).
         start = loop.time()
-        assert await stream.next_item(0.2) is _TIMED_OUT
+        assert await stream.next_item(0.2) is TIMED_OUT
         assert loop.time() - start >= 0.2
     _run(go())
 
@@ -61,7 +62,7 @@ def test_the_timeout_still_fires_after_items_pushed_the_deadline_forward():
         last_item = loop.time()
         # The timer armed by the first wait comes due while this one still has time: it must
         # neither end this wait nor be lost (this wait would never end).
-        assert await _bounded(stream.next_item(timeout), timeout) is _TIMED_OUT
+        assert await _bounded(stream.next_item(timeout), timeout) is TIMED_OUT
         now = loop.time()
         assert now - last_item >= timeout
         assert now - start >= count * gap + timeout
@@ -80,7 +81,7 @@ def test_the_ack_timeout_gives_way_to_the_longer_output_timeout_and_back():
         # after its own time, not the ack's.
         assert stream.timer is not None
         start = loop.time()
-        assert await _bounded(stream.next_item(output), output) is _TIMED_OUT
+        assert await _bounded(stream.next_item(output), output) is TIMED_OUT
         assert loop.time() - start >= output
         # An item within the output timeout but past the ack's ends the wait as an item.
         feeder = asyncio.create_task(_put_later(stream.queue, [0.5]))
@@ -93,7 +94,7 @@ def test_the_ack_timeout_gives_way_to_the_longer_output_timeout_and_back():
         assert await stream.next_item(5.0) == 0
         await feeder
         start = loop.time()
-        assert await stream.next_item(ack) is _TIMED_OUT
+        assert await stream.next_item(ack) is TIMED_OUT
         elapsed = loop.time() - start
         assert ack <= elapsed < 2.5
     _run(go())
@@ -112,7 +113,7 @@ def test_time_spent_outside_a_wait_does_not_count_against_the_next_one():
         assert await stream.next_item(0.5) == 0
         await feeder
         start = loop.time()
-        assert await stream.next_item(0.2) is _TIMED_OUT
+        assert await stream.next_item(0.2) is TIMED_OUT
         assert loop.time() - start >= 0.2
     _run(go())
 
@@ -121,25 +122,25 @@ def test_a_stale_timeout_left_in_the_queue_is_dropped():
     async def go():
         stream, loop = _stream(), asyncio.get_running_loop()
         # Put as an item came: the item is returned, the marker skipped.
-        stream.queue.put_nowait(_TIMED_OUT)
+        stream.queue.put_nowait(TIMED_OUT)
         stream.queue.put_nowait("item")
         assert await stream.next_item(0.5) == "item"
         # Left behind alone: the next wait starts afresh and gets the next item.
-        stream.queue.put_nowait(_TIMED_OUT)
+        stream.queue.put_nowait(TIMED_OUT)
         feeder = asyncio.create_task(_put_later(stream.queue, [0.1]))
         assert await stream.next_item(0.5) == 0
         await feeder
         # Arriving while a wait still has time: skipped, and the wait goes on to its item.
         waiter = asyncio.create_task(stream.next_item(2.0))
         await asyncio.sleep(0.05)
-        stream.queue.put_nowait(_TIMED_OUT)
+        stream.queue.put_nowait(TIMED_OUT)
         await asyncio.sleep(0.05)
         assert not waiter.done()
         stream.queue.put_nowait("later")
         assert await waiter == "later"
         # A marker that is due does end the wait.
         start = loop.time()
-        assert await stream.next_item(0.2) is _TIMED_OUT
+        assert await stream.next_item(0.2) is TIMED_OUT
         assert loop.time() - start >= 0.2
     _run(go())
 

@@ -36,15 +36,13 @@ import random
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
 
 from proto.codec import CodecError, decode, encode
 from proto.requests import (AbortRequest, ChatMessage, ChatPrompt, ErrorResponse,
-                            GenerateRequest, PromptDelta, PromptOptions, RequestAccepted,
-                            RequestTextDelta, ResumedOutput, SequenceTextDelta, TextDeltas)
+                            GenerateRequest, PromptOptions, RequestAccepted, TextDeltas)
 from shared.logging import get_logger
 from shared.sampling_params import SamplingParams
 from shared.sockets import (bind, bind_random_port, connect, make_socket, probe_health,
@@ -52,13 +50,11 @@ from shared.sockets import (bind, bind_random_port, connect, make_socket, probe_
 from shared.stack_config import StackConfig
 from services.gateway.heartbeat import GatewayHeartbeat
 from services.gateway.replicas import EngineReplica, combined_health, least_loaded
-from shared.outputs import CompletionOutput, RequestOutput
+from services.gateway.request_stream import (ACCEPTED, RESUBMIT, TIMED_OUT, RequestStream,
+                                             request_output)
+from shared.outputs import RequestOutput
 
 log = get_logger("client")
-
-_ACCEPTED = object()  # put in a request's queue when the engine acknowledges it
-_RESUBMIT = object()  # put there when a new engine is up: send the request again, resumed
-_TIMED_OUT = object()  # put there by its timer when it has waited past its deadline
 
 
 class EngineRequestError(RuntimeError):
@@ -68,70 +64,6 @@ class EngineRequestError(RuntimeError):
         super().__init__(message)
         self.code = code
         self.request_id = request_id
-
-
-@dataclass
-class _Stream:
-    """One request: what it asked, its outputs as they arrive, and how much of each sequence
-    the caller has."""
-    queue: asyncio.Queue
-    engine_epoch: int  # the engine process it was sent to: its replica's epoch then
-    prompt: str | list[int] | list[ChatMessage]
-    params: SamplingParams
-    arrival_time: float
-    cache_salt: str | None = None
-    prompt_options: PromptOptions | None = None
-    header_seen: bool = False  # the caller has had the first delta's extras (prompt, timing)
-    num_chars: dict[int, int] = field(default_factory=dict)  # by sample index
-    token_ids: dict[int, list[int]] = field(default_factory=dict)  # what the caller has
-    done: set[int] = field(default_factory=set)  # sample indices that finished
-    failed: bool = False
-    replica: int = 0  # the engine replica it is bound to
-    # The wait for the next item: its deadline (loop time; None while not waiting) and the one
-    # timer that checks it. Re-arming a timer per item (asyncio.timeout) cost more than the
-    # rest of an output's path through the client.
-    deadline: float | None = None
-    timer: asyncio.TimerHandle | None = None
-
-    async def next_item(self, timeout_s: float):
-        """The queue's next item, or _TIMED_OUT once it has waited `timeout_s` for one."""
-        # A _TIMED_OUT put as another item came is stale: its wait ended with that item.
-        while not self.queue.empty():
-            item = self.queue.get_nowait()
-            if item is not _TIMED_OUT:
-                return item
-        loop = asyncio.get_running_loop()
-        self.deadline = loop.time() + timeout_s
-        if self.timer is not None and self.timer.when() > self.deadline:
-            self.stop_timer()  # armed for a longer wait
-        if self.timer is None:
-            self.timer = loop.call_at(self.deadline, self._check_deadline)
-        try:
-            while True:
-                item = await self.queue.get()
-                if item is not _TIMED_OUT or loop.time() >= self.deadline:
-                    return item
-        finally:
-            self.deadline = None
-
-    def _check_deadline(self) -> None:
-        self.timer = None
-        if self.deadline is None:
-            return  # not waiting: the next wait arms a timer again
-        loop = asyncio.get_running_loop()
-        if loop.time() >= self.deadline:
-            self.queue.put_nowait(_TIMED_OUT)
-        else:  # an item came in time; this is the next wait's deadline
-            self.timer = loop.call_at(self.deadline, self._check_deadline)
-
-    def stop_timer(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-
-    def resumed(self) -> list[ResumedOutput]:
-        return [ResumedOutput(i, list(ids), i in self.done)
-                for i, ids in sorted(self.token_ids.items()) if ids or i in self.done]
 
 
 class AsyncEngineClient:
@@ -171,7 +103,7 @@ class AsyncEngineClient:
         else:
             self.gateway_id = f"ipc://{os.path.join(self.stack.run_dir, f'client-{uuid.uuid4().hex[:12]}.sock')}"
             bind(self.results, self.gateway_id, self.curve)
-        self.streams: dict[str, _Stream] = {}
+        self.streams: dict[str, RequestStream] = {}
         self._reader: asyncio.Task | None = None
         self._watchdog: asyncio.Task | None = None
         self.closed = False
@@ -236,7 +168,7 @@ class AsyncEngineClient:
                      f"retry later", request_id)
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             prompt = [ChatMessage(m["role"], m["content"]) for m in prompt]
-        stream = _Stream(asyncio.Queue(), 0, prompt, params, time.time(),
+        stream = RequestStream(asyncio.Queue(), 0, prompt, params, time.time(),
                          cache_salt, prompt_options)
         self.streams[request_id] = stream
         finished = False
@@ -261,7 +193,7 @@ class AsyncEngineClient:
                 # Not `wait_for`: on Python 3.11 it can swallow a cancellation that comes as
                 # the item does, and a request whose client left then runs on.
                 item = await stream.next_item(timeout)
-                if item is _TIMED_OUT:
+                if item is TIMED_OUT:
                     if not self.replicas[stream.replica].ok and not self.engine_given_up:
                         continue  # the watchdog resubmits it or, in the end, fails it
                     if self.engine_given_up:
@@ -283,7 +215,7 @@ class AsyncEngineClient:
                                 request_id=request_id, attempt=resends + 1)
                     await self._submit(frame, request_id)
                     continue
-                if item is _RESUBMIT:
+                if item is RESUBMIT:
                     frame = self._frame(request_id, stream)
                     accepted, resends = False, 0
                     num_tokens = sum(map(len, stream.token_ids.values()))
@@ -294,7 +226,7 @@ class AsyncEngineClient:
                     await self._submit(frame, request_id)
                     continue
                 accepted = True
-                if item is _ACCEPTED:
+                if item is ACCEPTED:
                     unreachable_since = None
                     continue
                 if isinstance(item, EngineRequestError):
@@ -316,7 +248,7 @@ class AsyncEngineClient:
                             continue
                     finished = True  # the stack already dropped it
                     raise EngineRequestError(item.code, item.message, request_id)
-                out = self._request_output(item, stream, params.n)
+                out = request_output(item, stream, params.n)
                 if out is None:
                     continue  # all of it was text the caller already has
                 finished = out.finished
@@ -377,7 +309,7 @@ class AsyncEngineClient:
             self._watchdog = loop.create_task(self._watch(), context=contextvars.Context())
         self._heartbeat.start()
 
-    def _frame(self, request_id: str, stream: _Stream) -> bytes:
+    def _frame(self, request_id: str, stream: RequestStream) -> bytes:
         prompt, chat_options = stream.prompt, None
         if isinstance(prompt, ChatPrompt):  # a chat with rendering options (tools, template)
             prompt, chat_options = prompt.messages, prompt.options
@@ -385,7 +317,7 @@ class AsyncEngineClient:
                                       stream.arrival_time, stream.cache_salt, stream.resumed(),
                                       chat_options, stream.prompt_options, stream.replica))
 
-    def _bind(self, request_id: str, stream: _Stream) -> None:
+    def _bind(self, request_id: str, stream: RequestStream) -> None:
         """Bind a request to the least loaded live replica (it stays there unless that one
         goes away); with one replica, to it."""
         replica = least_loaded(self.replicas, self._turn) or self.replicas[stream.replica]
@@ -451,7 +383,7 @@ class AsyncEngineClient:
                 for request_id in msg.request_ids:
                     stream = self.streams.get(request_id)
                     if stream is not None:
-                        stream.queue.put_nowait(_ACCEPTED)
+                        stream.queue.put_nowait(ACCEPTED)
             else:
                 for delta in msg.requests:
                     stream = self.streams.get(delta.request_id)
@@ -531,7 +463,7 @@ class AsyncEngineClient:
             if (stream.replica == replica.index and stream.engine_epoch < replica.epoch
                     and not stream.failed):
                 stream.engine_epoch = replica.epoch
-                stream.queue.put_nowait(_RESUBMIT)
+                stream.queue.put_nowait(RESUBMIT)
 
     def _move_streams(self) -> None:
         """The requests of replicas whose engine is gone (silent for the engine timeout, or a
@@ -550,103 +482,10 @@ class AsyncEngineClient:
             log.warning("request moved to another engine replica", request_id=request_id,
                         replica=stream.replica, from_replica=old.index,
                         resumed_tokens=sum(map(len, stream.token_ids.values())))
-            stream.queue.put_nowait(_RESUBMIT)
+            stream.queue.put_nowait(RESUBMIT)
 
     def _fail_streams(self, message: str) -> None:
         for request_id, stream in self.streams.items():
             if not stream.failed:
                 stream.failed = True
                 stream.queue.put_nowait(EngineRequestError(503, message, request_id))
-
-    @staticmethod
-    def _unseen(s: SequenceTextDelta, stream: _Stream) -> SequenceTextDelta | None:
-        """The part of a sequence's delta the caller has not had yet (all of it, but after a
-        detokenizer took the request over); None when there is nothing new."""
-        if s.index in stream.done:
-            return None  # replayed after its end
-        have_chars = stream.num_chars.get(s.index, 0)
-        have = stream.token_ids.setdefault(s.index, [])
-        have_tokens = len(have)
-        if s.text_offset > have_chars or s.token_offset > have_tokens:
-            log.warning("a gap in a stream", index=s.index, text_offset=s.text_offset,
-                        have_chars=have_chars, token_offset=s.token_offset,
-                        have_tokens=have_tokens)
-        stream.num_chars[s.index] = max(have_chars, s.text_offset + len(s.text))
-        skip_chars = max(0, have_chars - s.text_offset)
-        skip_tokens = max(0, have_tokens - s.token_offset)
-        have.extend(s.token_ids[skip_tokens:])
-        if not skip_chars and not skip_tokens:
-            return s
-        if (skip_chars >= len(s.text) and skip_tokens >= len(s.token_ids)
-                and s.finish_reason is None):
-            return None
-
-        def cut(values: list) -> list:
-            return values[skip_tokens:] if values else values
-        return SequenceTextDelta(
-            s.index, s.text[skip_chars:], cut(s.token_ids), cut(s.token_texts), cut(s.logprobs),
-            cut(s.top_token_ids), cut(s.top_token_texts), cut(s.top_logprobs), s.finish_reason,
-            s.stop_reason, s.text_offset + skip_chars, s.token_offset + skip_tokens)
-
-    @classmethod
-    def _request_output(cls, delta: RequestTextDelta, stream: _Stream,
-                        n: int) -> RequestOutput | None:
-        """The caller's view of a text delta; None when it holds nothing new."""
-        completions = []
-        for s in delta.sequences:
-            s = cls._unseen(s, stream)
-            if s is None:
-                continue
-            logprobs = texts = None
-            if s.logprobs:
-                logprobs, texts = [], []
-                for k, tok in enumerate(s.token_ids):
-                    lp = dict(zip(s.top_token_ids[k], s.top_logprobs[k]))
-                    lp[tok] = s.logprobs[k]
-                    tx = dict(zip(s.top_token_ids[k], s.top_token_texts[k]))
-                    tx[tok] = s.token_texts[k]
-                    logprobs.append(lp)
-                    texts.append(tx)
-            completions.append(CompletionOutput(
-                index=s.index, text=s.text, token_ids=list(s.token_ids), cumulative_logprob=None,
-                logprobs=logprobs, finish_reason=s.finish_reason, stop_reason=s.stop_reason,
-                logprob_texts=texts))
-            if s.finish_reason is not None:
-                stream.done.add(s.index)
-        if delta.sequences and not completions:
-            return None
-        out = RequestOutput(
-            request_id=delta.request_id, prompt=None, prompt_token_ids=[], prompt_logprobs=None,
-            outputs=completions, finished=len(stream.done) >= n,
-            num_prompt_tokens=delta.usage.prompt_tokens,
-            num_output_tokens=delta.usage.completion_tokens)
-        if not stream.header_seen and (delta.prompt is not None
-                                       or delta.queue_time_s is not None):
-            # Once: a header sent again (a detokenizer or engine took the request over)
-            # carries the prompt's part again.
-            stream.header_seen = True
-            out.queue_time_s = delta.queue_time_s
-            out.num_cached_tokens = delta.num_cached_tokens or 0
-            if delta.prompt is not None:
-                _add_prompt(out, delta.prompt)
-        return out
-
-
-def _add_prompt(out: RequestOutput, prompt: PromptDelta) -> None:
-    """The prompt's token ids, and its logprobs as RequestOutput holds them: None for the first
-    token, then {token id: logprob} with the top alternatives."""
-    out.prompt_token_ids = list(prompt.token_ids)
-    if not prompt.logprobs:
-        return
-    # The first token has no logprob; its text is kept, for echo.
-    out.prompt_logprobs = [None]
-    out.prompt_logprob_texts = [{prompt.token_ids[0]: prompt.token_texts[0]}]
-    for k in range(len(prompt.logprobs)):
-        tok = prompt.token_ids[k + 1]
-        lp = dict(zip(prompt.top_token_ids[k], prompt.top_logprobs[k]))
-        lp[tok] = prompt.logprobs[k]
-        tx = dict(zip(prompt.top_token_ids[k], prompt.top_token_texts[k]))
-        tx[tok] = prompt.token_texts[k + 1]
-        out.prompt_logprobs.append(lp)
-        out.prompt_logprob_texts.append(tx)
-
