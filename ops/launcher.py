@@ -43,6 +43,10 @@ log = get_logger("launcher")
 _LOCAL_FIELDS = ("run_dir", "request_input", "tokenizer_input", "engine_input", "worker_addr",
                  "detokenizer_addr", "control_addr", "engine_control", "return_host", "replica")
 _LOCAL_ENV = {"PAGODA_" + name.upper() for name in _LOCAL_FIELDS}
+# What the launcher's own StackConfig decides for every process (its sockets, and --curve-keys-dir);
+# its other fields come from this environment only, so the compose file's values (from `.env`,
+# say) win over them.
+_LAUNCHER_ENV = _LOCAL_ENV | {"PAGODA_CURVE_KEYS_DIR"}
 
 _PR_SET_PDEATHSIG = 1
 try:
@@ -417,7 +421,8 @@ class LocalStack:
                 args += ["--served-model-name", *self.served_model_names]
         env = {k: v for k, v in os.environ.items() if k not in _LOCAL_ENV}
         env.update({k: v for k, v in spec.environment.items() if k not in _LOCAL_ENV})
-        env.update(self.stack_config.to_env())
+        env.update({k: v for k, v in self.stack_config.to_env().items()
+                    if k in _LAUNCHER_ENV or k not in env})
         env.update(PYTHONUNBUFFERED="1", **self.extra_env)
         env["PAGODA_REPLICA"] = str(replica)
         ranks = self.counts["worker"]

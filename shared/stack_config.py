@@ -159,6 +159,11 @@ class StackConfig:
         given = {f.name: getattr(args, f.name) for f in fields(cls)
                  if getattr(args, f.name, None) is not None}
         stack = cls(**given)
+        # A flag wins over the environment also when it gives the default (`... false`),
+        # which __post_init__ cannot tell from a field left unset.
+        for name, value in given.items():
+            if name not in REPLICA_FIELDS and getattr(stack, name) != value:
+                setattr(stack, name, value)
         replicas = getattr(args, "data_parallel_size", None)  # the engine flag, where given
         if replicas and replicas > 1:
             try:

@@ -55,3 +55,15 @@ def test_boolean_settings_as_flags_stand_alone_or_take_a_value():
         assert parser.parse_args(argv).enable_prompt_tokens_details is value
     with pytest.raises(SystemExit):
         parser.parse_args(["--enable-prompt-tokens-details", "maybe"])
+
+
+def test_a_boolean_flag_wins_over_the_environment_even_when_it_gives_the_default(monkeypatch):
+    import argparse
+
+    from shared.stack_config import StackConfig
+    monkeypatch.setenv("PAGODA_ENABLE_PROMPT_TOKENS_DETAILS", "true")
+    monkeypatch.setenv("PAGODA_RUN_DIR", "/tmp/x")
+    parser = StackConfig.add_cli_args(argparse.ArgumentParser())
+    read = lambda argv: StackConfig.from_cli_args(parser.parse_args(argv))  # noqa: E731
+    assert read([]).enable_prompt_tokens_details is True  # the environment's
+    assert read(["--enable-prompt-tokens-details", "false"]).enable_prompt_tokens_details is False

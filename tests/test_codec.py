@@ -69,7 +69,7 @@ ROUND_TRIP_CASES = {
             logprobs=[-0.5, float("-inf")],
             top_token_ids=[[5], [6, 2]], top_token_texts=[[" wö"], ["rld🌍", "</s>"]],
             top_logprobs=[[-0.5], [-0.25, -3.0]], finish_reason="length", text_offset=41,
-            token_offset=9)], Usage(12, 2)),
+            token_offset=9)], Usage(12, 2), queue_time_s=0.5, num_cached_tokens=0),
         RequestTextDelta("req-2", [], Usage(0, 0))]),
     "text_deltas_empty": TextDeltas(),
     "request_accepted": RequestAccepted(["req-1", "req-ü"]),
@@ -104,7 +104,7 @@ ROUND_TRIP_CASES = {
     "worker_reply_error": WorkerReply(6, [], "ValueError: no"),
     "token_deltas_first": TokenDeltas(step_id=1, requests=[RequestTokenDelta(
         "req-3", "gw-a", 4, [SequenceTokenDelta(0, [9])], sampling_params=FULL_PARAMS,
-        prompt_tail_token_ids=[1, 2, 3])]),
+        prompt_tail_token_ids=[1, 2, 3], queue_time_s=0.25, num_cached_tokens=32)]),
 }
 
 

@@ -1,6 +1,7 @@
 """The gateway's waits, without a stack: a request's wait for its next item with one re-arming
-timer (services/gateway/client.py `RequestStream.next_item`), and `EngineStreams.next_ready`, the
-look at the merged outputs that never waits (services/gateway/streaming.py)."""
+timer (services/gateway/request_stream.py `RequestStream.next_item`), and
+`EngineStreams.next_ready`, the look at the merged outputs that never waits
+(services/gateway/streaming.py)."""
 import asyncio
 
 import pytest
@@ -36,7 +37,7 @@ async def _put_later(queue: asyncio.Queue, delays: list[float]) -> None:
         queue.put_nowait(k)
 
 
-# -- RequestStream.next_item --------------------------------------------------------------------------
+# -- RequestStream.next_item -----------------------------------------------------------------------
 def test_a_wait_times_out_after_its_timeout():
     async def go():
         stream, loop = _stream(), asyncio.get_running_loop()

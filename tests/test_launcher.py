@@ -128,3 +128,22 @@ def test_pagoda_serve_serves_http_and_stops_cleanly_on_sigterm(tmp_path):
             serve.wait()
     assert not [pid for pid in children if alive(pid)]
     assert not os.path.exists(run_dir)
+
+
+def test_the_compose_files_settings_reach_the_services_and_the_launcher_keeps_its_sockets(
+        tmp_path, monkeypatch):
+    # Set for the compose file's interpolation (as `.env` sets them), not in this environment:
+    # the launcher's own StackConfig holds their defaults, and must not put those over them.
+    for name in ("PAGODA_TOOL_CALL_PARSER", "PAGODA_ENABLE_PROMPT_TOKENS_DETAILS",
+                 "PAGODA_RUN_DIR", "PAGODA_ENGINE_INPUT"):
+        monkeypatch.delenv(name, raising=False)
+    stack = LocalStack(run_dir=str(tmp_path), compose_vars={
+        "PAGODA_TOOL_CALL_PARSER": "hermes", "PAGODA_ENABLE_PROMPT_TOKENS_DETAILS": "true"})
+    stack._plan()
+    gateway = next(m for m in stack.members if m.service == "gateway")
+    assert gateway.env["PAGODA_TOOL_CALL_PARSER"] == "hermes"
+    assert gateway.env["PAGODA_ENABLE_PROMPT_TOKENS_DETAILS"] == "true"
+    # The sockets are the launcher's, not the compose file's tcp names.
+    assert gateway.env["PAGODA_RUN_DIR"] == str(tmp_path)
+    assert gateway.env["PAGODA_ENGINE_INPUT"] == stack.stack_config.engine_input
+    assert gateway.env["PAGODA_ENGINE_INPUT"].startswith("ipc://")

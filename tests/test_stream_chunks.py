@@ -185,3 +185,24 @@ def test_a_chat_delta_with_vllms_token_ids_and_its_end_is_the_schema_chunk():
     _same(empty, _schema_chat_chunk(ChatCompletionChunk(**CHAT_HEAD, choices=[
         ChatCompletionStreamChoice(index=0, delta=DeltaMessage(), finish_reason="stop")]),
         False))
+
+
+def test_usage_tally_sums_prompts_and_reports_cached_tokens_only_when_asked():
+    from services.gateway.openai_serving import UsageTally
+
+    def out(prompt: int, output: int, cached: int = 0) -> RequestOutput:
+        o = RequestOutput("r", None, [], None, [], False, num_cached_tokens=cached)
+        o.num_prompt_tokens, o.num_output_tokens = prompt, output
+        return o
+    for details in (False, True):
+        tally = UsageTally(2, details)
+        tally.add(0, out(40, 1, cached=32))  # a request's first output carries its hit
+        tally.add(1, out(20, 1))
+        tally.add(0, out(40, 3))  # later ones do not: the hit stays
+        info = tally.info()
+        assert (info.prompt_tokens, info.completion_tokens, info.total_tokens) == (60, 4, 64)
+        if details:
+            assert info.prompt_tokens_details.cached_tokens == 32
+        else:
+            assert info.prompt_tokens_details is None
+            assert info.model_dump()["prompt_tokens_details"] is None  # null, as vLLM sends it

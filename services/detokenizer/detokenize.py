@@ -104,8 +104,9 @@ class Detokenizer:
         if done:
             del self.requests[delta.request_id]
             tell_engine = any(s.stopped_by_string for s in req.seqs.values())
-        return RequestTextDelta(req.request_id, out_seqs, usage, prompt, delta.queue_time_s,
-                                delta.num_cached_tokens), tell_engine
+        return RequestTextDelta(req.request_id, out_seqs, usage, prompt,
+                                queue_time_s=delta.queue_time_s,
+                                num_cached_tokens=delta.num_cached_tokens), tell_engine
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

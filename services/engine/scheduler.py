@@ -231,8 +231,9 @@ class Scheduler:
             if group.metrics.first_scheduled_time is None:
                 group.metrics.first_scheduled_time = now
                 group.metrics.time_in_queue = now - group.metrics.arrival_time
-            if group.num_cached_tokens is None:
-                group.num_cached_tokens = seqs[0].num_computed_tokens
+            if group.num_cached_tokens is None:  # (a resumed request's hit may reach past
+                # its prompt, into the output it is recomputing: only the prompt's part counts)
+                group.num_cached_tokens = min(seqs[0].num_computed_tokens, group.prompt_len)
             self._schedule_group(group, seqs, chunk, out, budget)
             self.running.append(group)
 

@@ -162,8 +162,9 @@ async def stream_events(first, streams: EngineStreams, usage: UsageTally,
                         opening: Iterable[str] = ()) -> AsyncIterator[str]:
     """A streamed response's server-sent events, for either endpoint: `opening`, then
     `events_of(prompt_index, output)` for each engine output from `first` on, the usage event
-    (when the client asked for one; `usage` tallies it), an error event if the engine request fails midway, and
-    [DONE]. The events of every output already here go out together, in one write."""
+    (when the client asked for one; `usage` tallies it), an error event if the engine request
+    fails midway, and [DONE]. The events of every output already here go out together, in one
+    write."""
     events = list(opening)
     try:
         item = first

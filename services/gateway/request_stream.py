@@ -110,6 +110,7 @@ def unseen(s: SequenceTextDelta, stream: RequestStream) -> SequenceTextDelta | N
         cut(s.top_token_ids), cut(s.top_token_texts), cut(s.top_logprobs), s.finish_reason,
         s.stop_reason, s.text_offset + skip_chars, s.token_offset + skip_tokens)
 
+
 def request_output(delta: RequestTextDelta, stream: RequestStream,
                    n: int) -> RequestOutput | None:
     """The caller's view of a text delta; None when it holds nothing new."""

@@ -2,7 +2,8 @@
 
 Request models forbid unknown fields, so a misspelt parameter is a 400 that names it instead of
 being silently ignored. Fields of OpenAI's API that pagoda does not implement are declared, so
-that a request using them gets a clear refusal (see `openai_serving`), not an "extra field" error.
+that a request using them gets a clear refusal (see `request_params`), not an "extra field"
+error.
 Beyond OpenAI's fields, both requests take vLLM's extra sampling parameters (`top_k`, `min_p`, ...).
 """
 import time

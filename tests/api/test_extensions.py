@@ -115,21 +115,35 @@ def test_cached_tokens_in_the_usage_count_the_prompt_found_in_the_prefix_cache(c
     first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
     second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
     n = first.usage.prompt_tokens
+    hit = (n - 1) // BLOCK_SIZE * BLOCK_SIZE
     assert n > 2 * BLOCK_SIZE
     assert first.usage.prompt_tokens_details.cached_tokens == 0
-    assert second.usage.prompt_tokens_details.cached_tokens == (n - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert second.usage.prompt_tokens_details.cached_tokens == hit
+    # Several prompts in one request: their hits add up (a new prompt has none).
+    both = client.completions.create(model=MODEL, prompt=[prompt, f"{uuid.uuid4().hex} {PROMPT}"],
+                                     max_tokens=1)
+    assert both.usage.prompt_tokens_details.cached_tokens == hit
+    # Streamed with include_usage: the final chunk's usage.
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, stream=True,
+                                       stream_options={"include_usage": True})
+    assert [c.usage for c in stream if c.usage][-1].prompt_tokens_details.cached_tokens == hit
 
-    # Chat, streamed with include_usage: the final chunk's usage.
-    def chat_cached_tokens() -> tuple[int, int]:
+    # Chat, streamed and not.
+    messages = [{"role": "user", "content": prompt + " Again."}]
+
+    def streamed_chat() -> tuple[int, int]:
         stream = client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": prompt + " Again."}],
-            max_tokens=1, stream=True, stream_options={"include_usage": True})
+            model=MODEL, messages=messages, max_tokens=1, stream=True,
+            stream_options={"include_usage": True})
         usage = [c.usage for c in stream if c.usage is not None][-1]
         return usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens
-    m, chat_first = chat_cached_tokens()
-    assert chat_cached_tokens() == (m, (m - 1) // BLOCK_SIZE * BLOCK_SIZE)
+    m, chat_first = streamed_chat()
+    chat_hit = (m - 1) // BLOCK_SIZE * BLOCK_SIZE
     # The chat template's opening may be cached from other chats, the prompt's text is not.
-    assert chat_first < (m - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert chat_first < chat_hit
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    assert chat.usage.prompt_tokens_details.cached_tokens == chat_hit
+    assert streamed_chat() == (m, chat_hit)
 
 
 def test_prompt_logprobs_cover_the_prompt_with_the_first_null(http):
