@@ -5,6 +5,8 @@ import threading
 import time
 from dataclasses import fields
 
+from shared.stack_config import SERVING_FIELDS, StackConfig
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from shared.config import EngineArgs
@@ -49,6 +51,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="echo every process's log lines, prefixed with its name")
     EngineArgs.add_cli_args(parser)
+    StackConfig.add_cli_args(parser, SERVING_FIELDS,
+                             title="how the stack serves chats and usage (docs/api.md; default: "
+                                   "the PAGODA_* environment or .env)")
+
+
+def serving_vars(args: argparse.Namespace) -> dict[str, str]:
+    """The serving flags given, as the compose file's PAGODA_* variables (which every process
+    reads, as it reads them from the environment or a .env)."""
+    out = {}
+    for name in SERVING_FIELDS:
+        value = getattr(args, name)
+        if value is not None:
+            out["PAGODA_" + name.upper()] = str(value).lower() if isinstance(value, bool) else value
+    return out
 
 
 def placement_vars(args: argparse.Namespace) -> dict[str, str]:
@@ -103,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
                            max_restarts_per_minute=args.max_restarts,
                            curve_keys_dir=args.curve_keys_dir, hang_timeout_s=args.hang_timeout,
                            served_model_names=args.served_model_name,
-                           compose_vars=placement_vars(args))
+                           compose_vars={**placement_vars(args), **serving_vars(args)})
     except (CurveKeysError, PlacementError, ValueError) as e:  # ValueError: replica counts
         print(f"pagoda: {e}", flush=True)
         return 1
@@ -152,7 +168,6 @@ def _print_banner(stack, elapsed_s: float) -> None:
     lines = [f"pagoda: ready in {elapsed_s:.0f} s ({names})"]
     if stack.gateway_url:
         lines.append(f"  HTTP      {stack.gateway_url}/v1  (OpenAI-compatible)")
-    from shared.stack_config import StackConfig
     config = ("StackConfig()" if StackConfig().run_dir == stack.run_dir
               else f"StackConfig(run_dir={stack.run_dir!r})")
     if stack.replicas > 1:  # a client routes over every replica only if it knows of them

@@ -134,10 +134,16 @@ class StackConfig:
         return f"ipc://{os.path.join(self.run_dir, f'{service}{replica}-{instance}.ctl')}"
 
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        group = parser.add_argument_group("stack addresses (default: PAGODA_* environment, "
-                                          "then ipc files in the run directory)")
+    def add_cli_args(cls, parser: argparse.ArgumentParser,
+                     names: tuple[str, ...] | None = None,
+                     title: str = "stack addresses and settings (default: PAGODA_* "
+                                  "environment, then ipc files in the run directory)"
+                     ) -> argparse.ArgumentParser:
+        """A flag per field (of `names` only, when given); unset flags are None."""
+        group = parser.add_argument_group(title)
         for f in fields(cls):
+            if names is not None and f.name not in names:
+                continue
             # A switch may stand alone (`--trust-request-chat-template`, as vLLM takes it)
             # or take a value (`... false`).
             switch = {"nargs": "?", "const": True} if isinstance(f.default, bool) else {}
@@ -184,6 +190,11 @@ class StackConfig:
                 env["PAGODA_" + name.upper()] = ",".join(addrs)
         return env
 
+
+# How the stack serves, as opposed to where its sockets are: `pagoda serve` takes these as flags
+# too and hands them to every process as PAGODA_* variables (ops/serve_cli.py).
+SERVING_FIELDS = ("chat_template", "tool_call_parser", "reasoning_parser",
+                  "trust_request_chat_template", "enable_prompt_tokens_details")
 
 # The addresses an engine binds: one per replica.
 REPLICA_FIELDS = ("request_input", "tokenizer_input", "engine_input", "worker_addr",

@@ -147,3 +147,27 @@ def test_the_compose_files_settings_reach_the_services_and_the_launcher_keeps_it
     assert gateway.env["PAGODA_RUN_DIR"] == str(tmp_path)
     assert gateway.env["PAGODA_ENGINE_INPUT"] == stack.stack_config.engine_input
     assert gateway.env["PAGODA_ENGINE_INPUT"].startswith("ipc://")
+
+
+def test_pagoda_serve_takes_the_serving_settings_as_flags(tmp_path, monkeypatch):
+    # `pagoda serve --tool-call-parser hermes --enable-prompt-tokens-details`, as vLLM's serve
+    # takes them: they reach the services as the compose file's PAGODA_* variables.
+    import argparse
+
+    from ops.serve_cli import add_arguments, serving_vars
+    from shared.stack_config import SERVING_FIELDS
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--tool-call-parser", "hermes", "--enable-prompt-tokens-details",
+                              "--trust-request-chat-template", "false"])
+    assert serving_vars(args) == {"PAGODA_TOOL_CALL_PARSER": "hermes",
+                                  "PAGODA_ENABLE_PROMPT_TOKENS_DETAILS": "true",
+                                  "PAGODA_TRUST_REQUEST_CHAT_TEMPLATE": "false"}
+    for name in SERVING_FIELDS:
+        monkeypatch.delenv("PAGODA_" + name.upper(), raising=False)
+    stack = LocalStack(run_dir=str(tmp_path), compose_vars=serving_vars(args))
+    stack._plan()
+    for member in stack.members:
+        assert member.env["PAGODA_TOOL_CALL_PARSER"] == "hermes", member.name
+        assert member.env["PAGODA_ENABLE_PROMPT_TOKENS_DETAILS"] == "true", member.name
+        assert member.env["PAGODA_TRUST_REQUEST_CHAT_TEMPLATE"] == "false", member.name
