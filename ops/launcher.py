@@ -41,7 +41,8 @@ log = get_logger("launcher")
 
 # StackConfig fields that name sockets or hosts of one deployment; the launcher sets its own.
 _LOCAL_FIELDS = ("run_dir", "request_input", "tokenizer_input", "engine_input", "worker_addr",
-                 "detokenizer_addr", "control_addr", "engine_control", "return_host", "replica")
+                 "detokenizer_addr", "control_addr", "engine_control", "return_host", "replica",
+                 "dist_init_addr")
 _LOCAL_ENV = {"PAGODA_" + name.upper() for name in _LOCAL_FIELDS}
 # What the launcher's own StackConfig decides for every process (its sockets, and --curve-keys-dir);
 # its other fields come from this environment only, so the compose file's values (from `.env`,

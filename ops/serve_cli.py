@@ -119,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
                            max_restarts_per_minute=args.max_restarts,
                            curve_keys_dir=args.curve_keys_dir, hang_timeout_s=args.hang_timeout,
                            served_model_names=args.served_model_name,
-                           compose_vars={**placement_vars(args), **serving_vars(args)})
+                           compose_vars={**placement_vars(args), **serving_vars(args)},
+                           env=serving_vars(args))  # (also where a compose file omits them)
     except (CurveKeysError, PlacementError, ValueError) as e:  # ValueError: replica counts
         print(f"pagoda: {e}", flush=True)
         return 1

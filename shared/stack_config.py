@@ -164,12 +164,15 @@ class StackConfig:
         from shared.curve import CurveKeysError, use
         given = {f.name: getattr(args, f.name) for f in fields(cls)
                  if getattr(args, f.name, None) is not None}
-        stack = cls(**given)
         # A flag wins over the environment also when it gives the default (`... false`),
-        # which __post_init__ cannot tell from a field left unset.
-        for name, value in given.items():
-            if name not in REPLICA_FIELDS and getattr(stack, name) != value:
-                setattr(stack, name, value)
+        # which __post_init__ cannot tell from a field left unset: it does not see the
+        # variables of the flags given.
+        hidden = {k: os.environ.pop(k) for k in ["PAGODA_" + name.upper() for name in given]
+                  if k in os.environ}
+        try:
+            stack = cls(**given)
+        finally:
+            os.environ.update(hidden)
         replicas = getattr(args, "data_parallel_size", None)  # the engine flag, where given
         if replicas and replicas > 1:
             try:

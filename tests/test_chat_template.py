@@ -67,3 +67,17 @@ def test_a_boolean_flag_wins_over_the_environment_even_when_it_gives_the_default
     read = lambda argv: StackConfig.from_cli_args(parser.parse_args(argv))  # noqa: E731
     assert read([]).enable_prompt_tokens_details is True  # the environment's
     assert read(["--enable-prompt-tokens-details", "false"]).enable_prompt_tokens_details is False
+
+
+def test_a_replica_flag_picks_that_replicas_addresses_over_the_environments_replica(monkeypatch):
+    import argparse
+
+    from shared.stack_config import StackConfig
+    monkeypatch.setenv("PAGODA_REPLICA", "1")
+    monkeypatch.setenv("PAGODA_RUN_DIR", "/tmp/x")
+    monkeypatch.setenv("PAGODA_ENGINE_INPUT", "tcp://e0:1,tcp://e1:1")
+    parser = StackConfig.add_cli_args(argparse.ArgumentParser())
+    stack = StackConfig.from_cli_args(parser.parse_args(["--replica", "0"]))
+    assert (stack.replica, stack.engine_input) == (0, "tcp://e0:1")
+    stack = StackConfig.from_cli_args(parser.parse_args([]))
+    assert (stack.replica, stack.engine_input) == (1, "tcp://e1:1")

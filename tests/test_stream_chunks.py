@@ -197,12 +197,12 @@ def test_usage_tally_sums_prompts_and_reports_cached_tokens_only_when_asked():
     for details in (False, True):
         tally = UsageTally(2, details)
         tally.add(0, out(40, 1, cached=32))  # a request's first output carries its hit
-        tally.add(1, out(20, 1))
+        tally.add(1, out(20, 1, cached=16))
         tally.add(0, out(40, 3))  # later ones do not: the hit stays
         info = tally.info()
         assert (info.prompt_tokens, info.completion_tokens, info.total_tokens) == (60, 4, 64)
         if details:
-            assert info.prompt_tokens_details.cached_tokens == 32
+            assert info.prompt_tokens_details.cached_tokens == 48
         else:
             assert info.prompt_tokens_details is None
             assert info.model_dump()["prompt_tokens_details"] is None  # null, as vLLM sends it
