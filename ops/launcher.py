@@ -111,11 +111,7 @@ class ServiceProcess:
 def local_stack_config(run_dir: str) -> StackConfig:
     """The default ipc layout in `run_dir`, whatever PAGODA_* addresses this environment holds
     (the same file names a bare `StackConfig()` uses, so default clients find the stack)."""
-    saved = {k: os.environ.pop(k) for k in list(os.environ) if k in _LOCAL_ENV}
-    try:
-        return StackConfig(run_dir=run_dir)
-    finally:
-        os.environ.update(saved)
+    return StackConfig.ignoring_env(_LOCAL_FIELDS, run_dir=run_dir)
 
 
 def use_tcp_ports(stack: StackConfig, host: str) -> None:

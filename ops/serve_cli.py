@@ -57,8 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def serving_vars(args: argparse.Namespace) -> dict[str, str]:
-    """The serving flags given, as the compose file's PAGODA_* variables (which every process
-    reads, as it reads them from the environment or a .env)."""
+    """The serving flags given, as the PAGODA_* variables every process reads; the launcher
+    sets them last, over the compose file's values (and a .env's), for any compose file."""
     out = {}
     for name in SERVING_FIELDS:
         value = getattr(args, name)
@@ -119,8 +119,7 @@ def run(args: argparse.Namespace) -> int:
                            max_restarts_per_minute=args.max_restarts,
                            curve_keys_dir=args.curve_keys_dir, hang_timeout_s=args.hang_timeout,
                            served_model_names=args.served_model_name,
-                           compose_vars={**placement_vars(args), **serving_vars(args)},
-                           env=serving_vars(args))  # (also where a compose file omits them)
+                           compose_vars=placement_vars(args), env=serving_vars(args))
     except (CurveKeysError, PlacementError, ValueError) as e:  # ValueError: replica counts
         print(f"pagoda: {e}", flush=True)
         return 1

@@ -158,6 +158,17 @@ class StackConfig:
         return load_keys(self.curve_keys_dir) if self.curve_keys_dir else None
 
     @classmethod
+    def ignoring_env(cls, names, **given) -> "StackConfig":
+        """A StackConfig of `given` that does not read the PAGODA_* variables of the fields
+        `names` (whatever this environment holds for them)."""
+        hidden = {k: os.environ.pop(k) for k in ["PAGODA_" + name.upper() for name in names]
+                  if k in os.environ}
+        try:
+            return cls(**given)
+        finally:
+            os.environ.update(hidden)
+
+    @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "StackConfig":
         """The stack of a service process: its keys become the process's (shared.curve.use),
         so every socket it binds or connects uses them; a bad key directory stops it here."""
@@ -167,12 +178,7 @@ class StackConfig:
         # A flag wins over the environment also when it gives the default (`... false`),
         # which __post_init__ cannot tell from a field left unset: it does not see the
         # variables of the flags given.
-        hidden = {k: os.environ.pop(k) for k in ["PAGODA_" + name.upper() for name in given]
-                  if k in os.environ}
-        try:
-            stack = cls(**given)
-        finally:
-            os.environ.update(hidden)
+        stack = cls.ignoring_env(given, **given)
         replicas = getattr(args, "data_parallel_size", None)  # the engine flag, where given
         if replicas and replicas > 1:
             try:

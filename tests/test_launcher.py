@@ -151,7 +151,7 @@ def test_the_compose_files_settings_reach_the_services_and_the_launcher_keeps_it
 
 def test_pagoda_serve_takes_the_serving_settings_as_flags(tmp_path, monkeypatch):
     # `pagoda serve --tool-call-parser hermes --enable-prompt-tokens-details`, as vLLM's serve
-    # takes them: they reach the services as the compose file's PAGODA_* variables.
+    # takes them: they reach the services as PAGODA_* variables, as serve hands them over.
     import argparse
 
     from ops.serve_cli import add_arguments, serving_vars
@@ -165,7 +165,7 @@ def test_pagoda_serve_takes_the_serving_settings_as_flags(tmp_path, monkeypatch)
                                   "PAGODA_TRUST_REQUEST_CHAT_TEMPLATE": "false"}
     for name in SERVING_FIELDS:
         monkeypatch.delenv("PAGODA_" + name.upper(), raising=False)
-    stack = LocalStack(run_dir=str(tmp_path), compose_vars=serving_vars(args))
+    stack = LocalStack(run_dir=str(tmp_path), env=serving_vars(args))
     stack._plan()
     for member in stack.members:
         assert member.env["PAGODA_TOOL_CALL_PARSER"] == "hermes", member.name
