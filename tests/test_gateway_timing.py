@@ -1,5 +1,6 @@
 """The gateway's waits, without a stack: a request's wait for its next item with one re-arming
-timer (services/gateway/request_stream.py `RequestStream.next_item`), and
+timer (services/gateway/request_stream.py `RequestStream.next_item`), whether a request with no
+output is queued or lost (`EngineReplica.queued_since`, services/gateway/replicas.py), and
 `EngineStreams.next_ready`, the look at the merged outputs that never waits
 (services/gateway/streaming.py)."""
 import asyncio
@@ -7,7 +8,9 @@ import asyncio
 import pytest
 
 from shared.outputs import CompletionOutput, RequestOutput
+from proto.requests import HealthResponse
 from services.gateway.client import EngineRequestError
+from services.gateway.replicas import EngineReplica
 from services.gateway.request_stream import TIMED_OUT, RequestStream
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.streaming import NOT_READY, EngineStreams
@@ -160,6 +163,40 @@ def test_a_stopped_timer_puts_nothing():
             await waiter
         assert stream.deadline is None
     _run(go())
+
+
+# -- EngineReplica.queued_since: a request waiting its turn, or one the engine no longer has -----
+def _answer(replica: EngineReplica, sent_at: float, steps: int, running: int = 0,
+            waiting: int = 0) -> None:
+    replica.observe(HealthResponse("engine", "ok", {"steps": steps, "running": running,
+                                                    "waiting": waiting}), sent_at)
+
+
+def test_a_request_waits_while_its_engine_runs_steps_for_others():
+    r = EngineReplica(0, "ipc://engine")
+    for t in range(10):  # a busy engine: a step or more between probes, a queue behind
+        _answer(r, float(t), steps=3 * t, running=16, waiting=4)
+    assert r.queued_since(5.0)
+    assert r.queued_since(8.0)  # the probe sent at 8 saw a step that ran after it
+    assert not r.queued_since(9.0)  # no step is known to have run after 9
+
+
+def test_a_request_with_no_output_fails_when_the_engine_stopped_stepping():
+    r = EngineReplica(0, "ipc://engine")
+    for t in range(4):
+        _answer(r, float(t), steps=t, running=1)
+    for t in range(4, 10):  # it still answers, with requests, but its steps stopped
+        _answer(r, float(t), steps=3, running=1)
+    assert r.queued_since(2.0)  # it ran a step after 2 (seen by the probe sent at 3)
+    assert not r.queued_since(3.5)
+
+
+def test_a_request_fails_when_its_engine_steps_but_was_seen_holding_no_request():
+    r = EngineReplica(0, "ipc://engine")
+    for t in range(10):
+        _answer(r, float(t), steps=t, running=0 if t == 6 else 2)
+    assert r.queued_since(6.5)  # the idle answer was sent before the wait began
+    assert not r.queued_since(5.0)  # an answer sent after it began found no request at all
 
 
 # -- EngineStreams.next_ready -------------------------------------------------------------------

@@ -177,6 +177,45 @@ def test_16_concurrent_greedy_requests_match_the_in_process_engine(stack, offlin
           f"{sum(len(t) for _, t, _ in got)} tokens identical to the in-process engine")
 
 
+def test_a_request_queued_past_the_request_timeout_waits_for_its_turn(stack):
+    """The engine runs 16 sequences at most (ENGINE_ARGS): 16 long requests fill it, and 4
+    more wait in its queue for far longer than the client's 1 s output timeout. They are
+    accepted and get no output all that time, yet none fails: the engine runs steps."""
+    timeout_s = 1.0
+    long = SamplingParams(temperature=0, max_tokens=160, ignore_eos=True)
+    short = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    async def first_output_after(client, prompt, params):
+        start, first, tokens = time.monotonic(), None, 0
+        async for out in client.generate(prompt, params):
+            tokens += len(out.outputs[0].token_ids)
+            first = first or (tokens and time.monotonic() - start)
+        return first, tokens
+
+    async def go():
+        client = AsyncEngineClient(stack.stack_config, output_timeout_s=timeout_s,
+                                   probe_interval_s=0.2)
+        try:
+            running = [asyncio.create_task(first_output_after(client, p, long))
+                       for p in PROMPTS]
+            while _engine(stack)["running"] < len(PROMPTS):
+                await asyncio.sleep(0.05)
+            queued = [asyncio.create_task(first_output_after(client, p, short))
+                      for p in PROMPTS[:4]]
+            return await asyncio.gather(*running), await asyncio.gather(*queued)
+        finally:
+            client.close()
+
+    running, queued = asyncio.run(asyncio.wait_for(go(), 240))
+    assert [tokens for _, tokens in running] == [160] * len(PROMPTS)
+    assert [tokens for _, tokens in queued] == [4] * 4
+    waits = [first for first, _ in queued]
+    # Otherwise the engine was fast enough that nothing here waited past the timeout.
+    assert min(waits) > 2 * timeout_s, waits
+    print(f"\n4 queued requests got their first token after {min(waits):.1f}-"
+          f"{max(waits):.1f} s with a {timeout_s:g} s request timeout")
+
+
 def test_both_tokenizers_receive_work(stack):
     params = SamplingParams(temperature=0, max_tokens=2)
     _run(stack, lambda c: asyncio.gather(*(_collect(c, p, params) for p in PROMPTS)))

@@ -71,7 +71,8 @@ class AsyncEngineClient:
                  ack_timeout_s: float = 5.0, max_resubmits: int = 3,
                  engine_timeout_s: float | None = None, probe_interval_s: float = 1.0):
         """`output_timeout_s`: a request with no output for this long ends with an error
-        (503), and so does every request while the engine has been away this long.
+        (503), unless its engine ran steps in that time (the request waits its turn behind
+        others); and every request ends so once the engine has been away this long.
         `ack_timeout_s`, `max_resubmits`: how long to wait for the engine to acknowledge a
         request before sending it again, and how often. `engine_timeout_s` (default: the
         stack's liveness timeout): how long the engine may leave its control socket
@@ -201,9 +202,15 @@ class AsyncEngineClient:
                             503, f"the engine has not been available for "
                                  f"{self.engine_away_s():.0f} s", request_id) from None
                     if accepted:
+                        replica = self.replicas[stream.replica]
+                        since = time.monotonic() - timeout
+                        if replica.queued_since(since):
+                            continue  # behind other requests of a busy engine: it waits
+                        why = (" (the engine holds no requests)" if replica.idle_at >= since
+                               else "")
                         raise EngineRequestError(
-                            503, f"no output from the engine for {self.output_timeout_s:.0f} s",
-                            request_id) from None
+                            503, f"no output from the engine for {self.output_timeout_s:.0f} "
+                                 f"s{why}", request_id) from None
                     if resends >= self.max_resubmits:
                         raise EngineRequestError(
                             503, f"the stack did not accept the request (sent {resends + 1} "
@@ -400,12 +407,13 @@ class AsyncEngineClient:
         send its requests in flight to it again (once it is ok); the requests of a replica
         that is not ok move to a live one; when none has answered ok for `output_timeout_s`,
         fail them."""
+        sent = time.monotonic()
         answers = await self._probe_replicas(min(1.0, self.engine_timeout_s))
         now = time.monotonic()
         first = not self._probed
         self._probed = True
         for replica, health in zip(self.replicas, answers):
-            self._observe(replica, health, now, first)
+            self._observe(replica, health, sent, now, first)
         if self.engine_ok:
             self._engine_back.set()
         else:
@@ -416,8 +424,10 @@ class AsyncEngineClient:
             self._fail_streams(f"the engine has not been available for "
                                f"{self.engine_away_s():.0f} s")
 
-    def _observe(self, replica: EngineReplica, health, now: float, first: bool) -> None:
-        """What one probe of a replica says: restarted, ok or not, its load."""
+    def _observe(self, replica: EngineReplica, health, sent: float, now: float,
+                 first: bool) -> None:
+        """What one probe of a replica (sent at `sent`) says: restarted, ok or not, its load
+        and progress."""
         rlog = log.bind(replica=replica.index) if len(self.replicas) > 1 else log
         if health is not None:
             boot_id = health.details.get("boot_id")
@@ -429,7 +439,7 @@ class AsyncEngineClient:
                                           for s in self.streams.values()))
             replica.boot_id = boot_id
             replica.last_answer = now
-            replica.observe(health)
+            replica.observe(health, sent)
             ok = health.status == "ok"
             if ok != replica.ok:
                 rlog.info("engine available" if ok else "engine not available",

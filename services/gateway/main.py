@@ -51,10 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-pending-requests", type=int, default=512,
                    help="generation requests in flight in this gateway; past it, 429 at once")
     g.add_argument("--request-timeout", type=float, default=60.0,
-                   help="seconds without output from the engine after which a request fails "
-                        "(503, or an error event in a stream); also how long requests wait for "
-                        "an engine that is away (restarting): they are then sent to it again "
-                        "and go on where they were")
+                   help="seconds without output after which a request fails (503, or an "
+                        "error event in a stream), unless the engine ran steps in that time "
+                        "(the request is queued behind others, and waits); also how long "
+                        "requests wait for an engine that is away (restarting): they are then "
+                        "sent to it again and go on where they were")
     EngineArgs.add_cli_args(parser)
     StackConfig.add_cli_args(parser)
 

@@ -29,12 +29,33 @@ class EngineReplica:
     load: int = 0  # its running + waiting requests at its last answer
     kv_cache_usage: float = 0.0
     sent_since_answer: int = 0  # requests this client bound to it since that answer
+    # What tells a request queued behind others from one the engine no longer has, as send
+    # times (monotonic) of answered probes: the engine ran a step after `stepped_after`, and
+    # held no request at `idle_at`.
+    steps: int = -1  # its step count at its last answer
+    probed_at: float = 0.0
+    stepped_after: float = 0.0
+    idle_at: float = 0.0
 
-    def observe(self, health: HealthResponse) -> None:
+    def observe(self, health: HealthResponse, sent_at: float = 0.0) -> None:
+        """Take in a probe's answer; `sent_at`: when that probe was sent."""
         details = health.details
         self.load = int(details.get("running") or 0) + int(details.get("waiting") or 0)
         self.kv_cache_usage = float(details.get("kv_cache_usage") or 0.0)
         self.sent_since_answer = 0
+        steps = int(details.get("steps") or 0)
+        if steps != self.steps:
+            # The step ran after the previous answered probe was sent: the sure bound.
+            self.steps, self.stepped_after = steps, self.probed_at
+        if self.load == 0:
+            self.idle_at = sent_at
+        self.probed_at = sent_at
+
+    def queued_since(self, since: float) -> bool:
+        """Whether a request of this engine with no output since `since` is waiting its turn:
+        the engine has run steps since then, and no answer sent after then found it without
+        requests (a request it no longer has waits for nothing)."""
+        return self.stepped_after >= since and self.idle_at < since
 
 
 def least_loaded(replicas: list[EngineReplica], turn: int) -> EngineReplica | None:
