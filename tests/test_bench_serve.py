@@ -147,9 +147,9 @@ def test_the_leading_system_alternates_between_rounds():
     assert round_order(["pagoda"], 1) == ["pagoda"]
 
 
-def _pass(system, rnd, index, tok_s, ttft, tpot, cpu, workload="main"):
+def _pass(system, rnd, index, tok_s, ttft, tpot, cpu, workload="main", failed=0):
     summary = {"output_throughput": tok_s, "ttft_ms": {"p50": ttft}, "tpot_ms": {"p50": tpot},
-               "failed": 0}
+               "failed": failed}
     return {"system": system, "round": rnd, "workload": workload, "pass": index,
             "kind": "first" if index == 0 else "warm", "summary": summary,
             "figures": {"output_tok_s": tok_s, "ttft_p50_ms": ttft, "tpot_p50_ms": tpot},
@@ -165,7 +165,8 @@ def test_report_medians_first_over_warm_and_ratios_by_round():
                    _pass("vllm", rnd, 0, 40 * scale, 300, 30, {"engine core": 5.0}),
                    _pass("vllm", rnd, 1, 100 * scale, 150, 15, {"engine core": 6.0}),
                    _pass("vllm", rnd, 2, 100 * scale, 150, 15, {"engine core": 7.0})]
-    passes.append(_pass("pagoda", 0, 0, 30, 900, 90, {"worker": 1.0}, workload="8x64x8"))
+    passes.append(_pass("pagoda", 0, 0, 30, 900, 90, {"worker": 1.0}, workload="8x64x8",
+                        failed=3))
     report = build_report(passes, ["pagoda", "vllm"])
     p, v, c = report["main"]["pagoda"], report["main"]["vllm"], report["main"]["pagoda_over_vllm"]
     assert p["first"] == {"output_tok_s": 75.0, "ttft_p50_ms": 400, "tpot_p50_ms": 40}
@@ -182,6 +183,8 @@ def test_report_medians_first_over_warm_and_ratios_by_round():
     assert v["cpu_s_per_pass"]["first"]["engine core"] == 5.0
     # A workload only pagoda ran: its report, no ratio; no warm passes: first only.
     assert report["8x64x8"]["pagoda"]["warm"] is None
+    # Failed requests are counted where they happened.
+    assert report["8x64x8"]["pagoda"]["failed"] == 3 and p["failed"] == 0
     assert "pagoda_over_vllm" not in report["8x64x8"]
 
 

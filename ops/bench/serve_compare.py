@@ -134,7 +134,9 @@ def workload_report(passes: list[dict]) -> dict:
     first = [p for p in passes if p["kind"] == "first"]
     warm = [p for p in passes if p["kind"] == "warm"]
     out = {"first": median_figures(first), "warm": median_figures(warm) if warm else None,
-           "cpu_s_per_pass": {"first": median_cpu(first)}}
+           "cpu_s_per_pass": {"first": median_cpu(first)},
+           # Requests that failed, over every pass: the figures leave them out.
+           "failed": sum(p["summary"].get("failed") or 0 for p in passes)}
     if warm:
         out["first_over_warm"] = {k: _ratio(out["first"][k], out["warm"][k]) for k in FIGURES}
         out["cpu_s_per_pass"]["warm"] = median_cpu(warm)
@@ -398,6 +400,9 @@ def print_report(report: dict, systems: list[str]) -> None:
                     d = 2 if label == "first/w" else 1
                     print(f"  {s:8} {label:6} {_fmt(f['output_tok_s'], d):>10} "
                           f"{_fmt(f['ttft_p50_ms'], d):>10} {_fmt(f['tpot_p50_ms'], d):>10}")
+            if entry[s].get("failed"):
+                print(f"  {s:8} FAILED REQUESTS: {entry[s]['failed']} over its passes (the "
+                      f"figures above leave them out)")
         if "pagoda_over_vllm" in entry:
             c = entry["pagoda_over_vllm"]
             by_round = ", ".join(_fmt(x, 2) for x in c["output_tok_s_by_round"])
