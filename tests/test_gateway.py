@@ -349,6 +349,25 @@ def test_requests_past_the_pending_limit_get_429_at_once(stack):
     wait_engine_idle(stack)
 
 
+def test_a_burst_of_a_thousand_requests_is_served_without_a_refusal(stack):
+    """vLLM's benchmark client sends 1,000 requests at once by default: by default a gateway
+    takes them all in (no pending limit) and the engine queues them."""
+    async def burst():
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        async with openai.AsyncOpenAI(
+                base_url=stack.gateway_url + "/v1", api_key=API_KEY, max_retries=0,
+                timeout=300, http_client=openai.DefaultAsyncHttpxClient(limits=limits)) as c:
+            return await asyncio.gather(*(c.completions.create(
+                prompt=f"{i}:", max_tokens=1, **greedy()) for i in range(1000)),
+                return_exceptions=True)
+
+    results = asyncio.run(burst())
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert not errors, f"{len(errors)} of 1000 failed, e.g. {errors[0]!r}"
+    assert all(len(r.choices) == 1 and r.usage.completion_tokens == 1 for r in results)
+    wait_engine_idle(stack)
+
+
 def test_an_engine_away_for_longer_than_the_request_timeout_is_503_at_once(stack):
     down = openai.OpenAI(base_url=stack.down.url + "/v1", api_key="none", max_retries=0)
     start = time.monotonic()

@@ -41,7 +41,9 @@ class GatewaySettings:
     model_root: str | None = None  # what the names serve (the model's path), for model cards
     chat_template: str | None = None  # the tokenizers' --chat-template text, for /tokenize
     api_key: str | None = None  # when set, /v1/* needs `Authorization: Bearer <key>`
-    max_pending_requests: int = 512  # generation requests in flight here; past it, 429
+    # Generation requests in flight here; past it, 429. None: no limit (as vLLM's server,
+    # whose benchmark client sends 1,000 at once by default; a queue is the engine's job).
+    max_pending_requests: int | None = None
     health_ttl_s: float = 1.0  # how long a probe of the engine's health is reused
     tokenizer: str | None = None  # loaded on first use: echo of token-id prompts, /tokenize
     disconnect_poll_s: float = 0.25
@@ -56,14 +58,14 @@ class GatewaySettings:
 class PendingRequests:
     """Counts generation requests in flight; refuses past the limit instead of queueing."""
 
-    def __init__(self, limit: int, metrics: GatewayMetrics):
+    def __init__(self, limit: int | None, metrics: GatewayMetrics):
         self.limit = limit
         self.count = 0
         self.metrics = metrics
 
     def try_acquire(self):
         """A `release` callable (safe to call twice), or None when the gateway is full."""
-        if self.count >= self.limit:
+        if self.limit is not None and self.count >= self.limit:
             return None
         self.count += 1
         self.metrics.pending.set(self.count)

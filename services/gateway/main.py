@@ -48,8 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the names requests may use in `model` (any of them); the first is the "
                         "one responses report (default: $PAGODA_SERVED_MODEL_NAME, "
                         "space-separated, else the model's name)")
-    g.add_argument("--max-pending-requests", type=int, default=512,
-                   help="generation requests in flight in this gateway; past it, 429 at once")
+    g.add_argument("--max-pending-requests", type=int, default=None,
+                   help="generation requests in flight in this gateway; past it, 429 at once "
+                        "(default: no limit; requests queue in the engine)")
     g.add_argument("--request-timeout", type=float, default=60.0,
                    help="seconds without output after which a request fails (503, or an "
                         "error event in a stream), unless the engine ran steps in that time "
@@ -93,6 +94,22 @@ def _chat_template(stack: StackConfig) -> str | None:
         return None
 
 
+def raise_open_files_limit() -> tuple[int, int]:
+    """Every request in flight holds a connection, so a burst of thousands needs as many file
+    descriptors: raise the soft limit to the hard one (often 1,024 against 500,000 or more).
+    Returns (before, after)."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft >= hard:
+        return soft, soft
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    except (ValueError, OSError):
+        return soft, soft
+    return soft, want
+
+
 def run(args: argparse.Namespace) -> int:
     configure("gateway")
     import zmq
@@ -102,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     from shared.model_source import resolve_model
     from shared.sockets import ControlServer
 
-    if args.max_pending_requests < 1:
+    if args.max_pending_requests is not None and args.max_pending_requests < 1:
         raise SystemExit("--max-pending-requests must be at least 1")
     if args.request_timeout <= 0:
         raise SystemExit("--request-timeout must be positive")
@@ -149,9 +166,11 @@ def run(args: argparse.Namespace) -> int:
         ctx = zmq.Context()
         control = ControlServer(ctx, stack.control_for("gateway", args.instance), "gateway",
                                 status).start()
+        files_before, files_limit = raise_open_files_limit()
         log.info("gateway starting", url=url, model=settings.model_name,
                  requests=stack.request_input, auth=settings.api_key is not None,
-                 max_pending_requests=settings.max_pending_requests)
+                 max_pending_requests=settings.max_pending_requests,
+                 open_files_limit=files_limit, open_files_limit_was=files_before)
         try:
             await server.serve()
         finally:
