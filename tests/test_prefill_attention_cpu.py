@@ -19,14 +19,15 @@ PATHS = cpu_kernels.prefill_paths()
 LENGTHS = {"one token": [1], "one prompt": [77], "several": [1, 16, 33, 5, 64, 2, 31]}
 HEADS = [(9, 3), (8, 8), (4, 1)]
 # bf16: the output's own rounding (half a bf16 step, ~0.4%) plus the probabilities rounded to
-# bf16 on the AMX path; fp32: the order of the float sums.
+# bf16 on the AMX and AVX512-BF16 paths; fp32: the order of the float sums.
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5),
              torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
-# Each path with the dtypes it runs (AMX: bf16 only; fp32 there takes AVX-512).
+# Each path with the dtypes it runs (AMX and AVX512-BF16: bf16 only; fp32 there takes
+# AVX-512).
 PATH_DTYPES = [(p, d) for p in PATHS for d in (torch.float32, torch.bfloat16)
-               if p != "amx" or d == torch.bfloat16]
+               if p not in ("amx", "avx512_bf16") or d == torch.bfloat16]
 
 
 @pytest.fixture(params=PATH_DTYPES,
@@ -93,6 +94,23 @@ def test_the_avx512_path_runs_where_the_cpu_has_it():
         results[p] = cpu_kernels.causal_prefill_attention(q, k, v, starts, 50, 0.125)
     cpu_kernels.set_prefill_path("amx")
     torch.testing.assert_close(results["avx512"], results["portable"], atol=1e-5, rtol=1e-5)
+
+
+def test_the_avx512_bf16_path_runs_where_the_cpu_has_it_and_is_the_default_there():
+    if "avx512_bf16" not in PATHS:
+        pytest.skip("this CPU (or the kernels' build) lacks AVX512-BF16: bf16 prefill attention "
+                    "widens to float on AVX-512 here")
+    q, k, v, starts = packed([300, 7, 64], 9, 3, 64, torch.bfloat16)
+    results = {}
+    for p in ("avx512", "avx512_bf16", "amx"):  # "amx": the default, falling to avx512_bf16
+        cpu_kernels.set_prefill_path(p)
+        results[p] = cpu_kernels.causal_prefill_attention(q, k, v, starts, 300, 0.125)
+    # Its probabilities rounded to bf16: not the widened path's result bit for bit.
+    assert not torch.equal(results["avx512_bf16"], results["avx512"])
+    torch.testing.assert_close(results["avx512_bf16"].float(), results["avx512"].float(),
+                               **TOLERANCE[torch.bfloat16])
+    if "amx" not in PATHS:
+        assert torch.equal(results["amx"], results["avx512_bf16"])
 
 
 def test_shapes_it_does_not_run_are_refused_and_the_backend_falls_back():

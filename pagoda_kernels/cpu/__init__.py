@@ -197,22 +197,26 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
 
 def prefill_paths() -> list[str]:
     """The prefill attention paths this machine runs: "portable" everywhere the kernels build,
-    "avx512" where they were built with AVX-512, "amx" (bf16 only) where AMX is granted too."""
+    "avx512" where they were built with AVX-512, "avx512_bf16" (bf16 only) where with
+    AVX512-BF16 too, "amx" (bf16 only) where AMX is granted too."""
     lib = load()
     if lib is None:
         return []
     return (["portable"] + (["avx512"] if lib.prefill_simd_available() else [])
+            + (["avx512_bf16"] if lib.prefill_dpbf16_available() else [])
             + (["amx"] if lib.prefill_amx_available() else []))
 
 
 def set_prefill_path(path: str) -> None:
     """Run prefill attention on `path` ("amx" for bf16 is the fastest where it runs; each path
-    falls to the next one down where it cannot run: amx, avx512, portable), for comparing the
-    paths on one machine. Process-wide; the default is the fastest."""
+    falls to the next one down where it cannot run: amx, avx512_bf16, avx512, portable; fp32
+    takes avx512 on the first three), for comparing the paths on one machine. Process-wide;
+    the default is the fastest."""
     lib = load()
     if lib is not None:
         lib.set_prefill_simd(int(path != "portable"))
         lib.set_prefill_amx(int(path == "amx"))
+        lib.set_prefill_dpbf16(int(path in ("amx", "avx512_bf16")))
 
 
 def causal_prefill_supports(dtype: torch.dtype, device: torch.device, num_heads: int,

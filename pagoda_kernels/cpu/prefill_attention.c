@@ -19,7 +19,9 @@
  * head. Blocks are counted from token 0 of the whole step, so a block may straddle two
  * sequences; the keys outside a row's range are masked. A work item is (sequence, query head,
  * block of 32 queries); rows go four at a time, so each K row and V row loaded serves four.
- * Elsewhere a portable loop computes the same from the inputs directly.
+ * bf16 goes further where the CPU has them: AMX tiles, else AVX512-BF16's pair products on K
+ * and V kept in bf16 (both below). Elsewhere a portable loop computes the same from the inputs
+ * directly.
  *
  * Items are handed out with schedule(dynamic), longest first: the cores are shared with other
  * processes, and a thread that is descheduled must not hold back the others.
@@ -37,12 +39,14 @@
 #define QUERY_BLOCK 32
 #define MAX_HEAD_DIM 256
 
-static int pagoda_prefill_simd = 1, pagoda_prefill_amx = 1;
+static int pagoda_prefill_simd = 1, pagoda_prefill_amx = 1, pagoda_prefill_dpbf16 = 1;
 
 /* Which path runs (tests compare them on one machine): set_prefill_simd(0) the portable loop,
- * set_prefill_amx(0) AVX-512 for bf16 too. */
+ * set_prefill_amx(0) no AMX, set_prefill_dpbf16(0) bf16 widened to float on AVX-512 instead of
+ * AVX512-BF16's pair products. */
 void set_prefill_simd(int on) { pagoda_prefill_simd = on; }
 void set_prefill_amx(int on) { pagoda_prefill_amx = on; }
+void set_prefill_dpbf16(int on) { pagoda_prefill_dpbf16 = on; }
 
 /* 0 when query_start_loc runs from 0 to num_tokens without going back. */
 static int check_starts(const int64_t *qsl, int num_seqs, int64_t num_tokens) {
@@ -356,6 +360,172 @@ static int NAME(const T *query, int64_t q_stride, const T *key, int64_t k_stride
 
 DEFINE_SIMD(simd_f32, float, pack_f32, item_f32_d4, item_f32_d8)
 DEFINE_SIMD(simd_bf16, uint16_t, pack_bf16, item_bf16_d4, item_bf16_d8)
+
+#if defined(__AVX512BF16__)
+/* --- bf16 on AVX512-BF16 (CPUs with it and without AMX: AMD Zen 4 and later) ------------------
+ * The path above widens bf16 to float and multiplies-adds 16 lanes an instruction; vdpbf16ps
+ * takes 16 pairs of bf16 products an instruction, the rate the bf16 matmul panels run at
+ * (twice fp32's). Both products run on it: Q K^T on the bf16 query and keys as they are (each
+ * product exact, sums in float), the scale applied to the scores; P V on the probabilities
+ * rounded to bf16, as the AMX path and GPU flash attention do. The softmax stays in float.
+ * K and V are first laid out in the pairs the instruction takes:
+ *   K [kv_head][block][head_dim / 2][16 keys][2 dims]: one vector holds dims d, d + 1 of the
+ *     block's 16 keys, and a broadcast (q[d], q[d + 1]) scores all 16 at once;
+ *   V [kv_head][block][8 key pairs][head_dim][2 keys]: one vector holds keys t, t + 1 of 16
+ *     dims, and a broadcast (p[t], p[t + 1]) adds both into 16 accumulator lanes. */
+static void pack_bf16_pairs(const uint16_t *key, int64_t k_stride, const uint16_t *value,
+                            int64_t v_stride, int64_t num_tokens, int num_kv_heads,
+                            int head_dim, uint16_t *kp, uint16_t *vp) {
+    const int64_t num_blocks = (num_tokens + KEY_BLOCK - 1) / KEY_BLOCK;
+    const int64_t block_elems = (int64_t)KEY_BLOCK * head_dim;
+    _Pragma("omp parallel for schedule(dynamic, 8)")
+    for (int64_t i = 0; i < num_kv_heads * num_blocks; i++) {
+        const int kh = (int)(i / num_blocks);
+        const int64_t b = i % num_blocks, t0 = b * KEY_BLOCK;
+        uint16_t *kb = kp + i * block_elems, *vb = vp + i * block_elems;
+        for (int t = 0; t < KEY_BLOCK; t++) {
+            const int here = t0 + t < num_tokens; /* zeros past the last token */
+            const uint16_t *kr = key + (t0 + t) * k_stride + (int64_t)kh * head_dim;
+            const uint16_t *vr = value + (t0 + t) * v_stride + (int64_t)kh * head_dim;
+            uint16_t *vt = vb + (t / 2) * 2 * head_dim + (t & 1);
+            for (int d = 0; d < head_dim; d++) {
+                kb[(d / 2) * 2 * KEY_BLOCK + 2 * t + (d & 1)] = here ? kr[d] : 0;
+                vt[2 * d] = here ? vr[d] : 0;
+            }
+        }
+    }
+}
+
+/* As DEFINE_ROWS_STEP, with pair products: `q` holds R rows of head_dim / 2 bf16 pairs. */
+#define DEFINE_PAIRS_STEP(NAME, R, ND)                                                             \
+static inline __attribute__((always_inline)) void NAME(                                            \
+        const uint32_t *q, const uint16_t *kb, const uint16_t *vb, const __mmask16 *valid,         \
+        float scale, float *run_max, __m512 *run_sum, float *acc) {                                \
+    enum { D = ND * 16, PAIRS = ND * 8 };                                                          \
+    __m512 s[R][2];                                                                                \
+    for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm512_setzero_ps();                           \
+    for (int d2 = 0; d2 < PAIRS; d2 += 2) { /* two chains a row */                                 \
+        const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kb + d2 * 2 * KEY_BLOCK);                 \
+        const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kb + (d2 + 1) * 2 * KEY_BLOCK);           \
+        for (int r = 0; r < R; r++) {                                                              \
+            s[r][0] = _mm512_dpbf16_ps(s[r][0], (__m512bh)_mm512_set1_epi32(                       \
+                (int)q[r * PAIRS + d2]), k0);                                                      \
+            s[r][1] = _mm512_dpbf16_ps(s[r][1], (__m512bh)_mm512_set1_epi32(                       \
+                (int)q[r * PAIRS + d2 + 1]), k1);                                                  \
+        }                                                                                          \
+    }                                                                                              \
+    uint32_t probs[R][KEY_BLOCK / 2] __attribute__((aligned(32)));                                 \
+    __m512 corr[R];                                                                                \
+    const __m512 scales = _mm512_set1_ps(scale);                                                   \
+    for (int r = 0; r < R; r++) {                                                                  \
+        const __m512 sc = _mm512_mask_blend_ps(                                                    \
+            valid[r], _mm512_set1_ps(-INFINITY),                                                   \
+            _mm512_mul_ps(_mm512_add_ps(s[r][0], s[r][1]), scales));                               \
+        const float block_max = _mm512_reduce_max_ps(sc);                                          \
+        const float new_max = block_max > run_max[r] ? block_max : run_max[r];                     \
+        corr[r] = _mm512_set1_ps(exp_approx(run_max[r] - new_max));                                \
+        const __m512 p = exp16(_mm512_sub_ps(sc, _mm512_set1_ps(new_max)));                        \
+        run_max[r] = new_max;                                                                      \
+        run_sum[r] = _mm512_fmadd_ps(run_sum[r], corr[r], p);                                      \
+        _mm256_store_si256((__m256i *)probs[r], (__m256i)_mm512_cvtneps_pbh(p));                   \
+    }                                                                                              \
+    for (int j0 = 0; j0 < ND; j0 += 4) {                                                           \
+        __m512 a[R][4];                                                                            \
+        for (int r = 0; r < R; r++)                                                                \
+            for (int j = 0; j < 4; j++)                                                            \
+                a[r][j] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + (j0 + j) * 16), corr[r]);    \
+        for (int tp = 0; tp < KEY_BLOCK / 2; tp++) {                                               \
+            __m512bh v[4];                                                                         \
+            for (int j = 0; j < 4; j++)                                                            \
+                v[j] = (__m512bh)_mm512_loadu_si512(vb + tp * 2 * D + (j0 + j) * 32);              \
+            for (int r = 0; r < R; r++) {                                                          \
+                const __m512bh p = (__m512bh)_mm512_set1_epi32((int)probs[r][tp]);                 \
+                for (int j = 0; j < 4; j++) a[r][j] = _mm512_dpbf16_ps(a[r][j], p, v[j]);          \
+            }                                                                                      \
+        }                                                                                          \
+        for (int r = 0; r < R; r++)                                                                \
+            for (int j = 0; j < 4; j++) _mm512_storeu_ps(acc + r * D + (j0 + j) * 16, a[r][j]);    \
+    }                                                                                              \
+}
+
+DEFINE_PAIRS_STEP(pairs4_d4, 4, 4)
+DEFINE_PAIRS_STEP(pairs1_d4, 1, 4)
+DEFINE_PAIRS_STEP(pairs4_d8, 4, 8)
+DEFINE_PAIRS_STEP(pairs1_d8, 1, 8)
+
+/* As DEFINE_SIMD_ITEM, on the paired layouts. */
+#define DEFINE_PAIRS_ITEM(NAME, ND, STEP4, STEP1)                                                  \
+static void NAME(const uint16_t *query, int64_t q_stride, const uint16_t *kp,                      \
+                 const uint16_t *vp, int64_t start, int64_t q0, int64_t q_end, int head,           \
+                 int num_heads, float scale, uint16_t *out) {                                      \
+    enum { D = ND * 16, PAIRS = ND * 8 };                                                          \
+    const int n = (int)(q_end - q0);                                                               \
+    uint32_t q[QUERY_BLOCK * PAIRS] __attribute__((aligned(64)));                                  \
+    float acc[QUERY_BLOCK * D] __attribute__((aligned(64)));                                       \
+    float run_max[QUERY_BLOCK];                                                                    \
+    __m512 run_sum[QUERY_BLOCK];                                                                   \
+    for (int r = 0; r < n; r++) {                                                                  \
+        memcpy(q + r * PAIRS, query + (q0 + r) * q_stride + (int64_t)head * D,                     \
+               D * sizeof(uint16_t));                                                              \
+        for (int d = 0; d < D; d++) acc[r * D + d] = 0.0f;                                         \
+        run_max[r] = -INFINITY;                                                                    \
+        run_sum[r] = _mm512_setzero_ps();                                                          \
+    }                                                                                              \
+    const int64_t first = start / KEY_BLOCK, last = (q_end - 1) / KEY_BLOCK;                       \
+    for (int64_t b = first; b <= last; b++) {                                                      \
+        const uint16_t *kb = kp + b * KEY_BLOCK * D, *vb = vp + b * KEY_BLOCK * D;                 \
+        int r = (int)(b * KEY_BLOCK - q0 > 0 ? b * KEY_BLOCK - q0 : 0);                            \
+        __mmask16 valid[ROWS];                                                                     \
+        for (; r + ROWS <= n; r += ROWS) {                                                         \
+            for (int i = 0; i < ROWS; i++) valid[i] = visible_lanes(b, start, q0 + r + i);         \
+            STEP4(q + r * PAIRS, kb, vb, valid, scale, run_max + r, run_sum + r, acc + r * D);     \
+        }                                                                                          \
+        for (; r < n; r++) {                                                                       \
+            valid[0] = visible_lanes(b, start, q0 + r);                                            \
+            STEP1(q + r * PAIRS, kb, vb, valid, scale, run_max + r, run_sum + r, acc + r * D);     \
+        }                                                                                          \
+    }                                                                                              \
+    for (int r = 0; r < n; r++) {                                                                  \
+        const float total = _mm512_reduce_add_ps(run_sum[r]);                                      \
+        const float inv = total > 0.0f ? 1.0f / total : 0.0f;                                      \
+        for (int d = 0; d < D; d++) acc[r * D + d] *= inv;                                         \
+        from_float_bf16_simd(out + ((q0 + r) * num_heads + head) * D, acc + r * D, D);             \
+    }                                                                                              \
+}
+
+DEFINE_PAIRS_ITEM(pairs_item_d4, 4, pairs4_d4, pairs1_d4)
+DEFINE_PAIRS_ITEM(pairs_item_d8, 8, pairs4_d8, pairs1_d8)
+
+static int pairs_bf16(const uint16_t *query, int64_t q_stride, const uint16_t *key,
+                      int64_t k_stride, const uint16_t *value, int64_t v_stride,
+                      const int64_t *qsl, int num_seqs, int num_heads, int num_kv_heads,
+                      int head_dim, float scale, uint16_t *out) {
+    const int64_t num_tokens = qsl[num_seqs];
+    const int64_t num_blocks = (num_tokens + KEY_BLOCK - 1) / KEY_BLOCK;
+    const int64_t head_elems = num_blocks * KEY_BLOCK * head_dim; /* one KV head's K */
+    uint16_t *kp = malloc((size_t)(2 * num_kv_heads * head_elems + 32) * sizeof(uint16_t));
+    Item *items;
+    const int64_t num_items =
+        kp ? list_items(qsl, num_seqs, num_heads, QUERY_BLOCK, &items) : -1;
+    if (num_items < 0) { free(kp); return -2; }
+    uint16_t *vp = kp + num_kv_heads * head_elems;
+    pack_bf16_pairs(key, k_stride, value, v_stride, num_tokens, num_kv_heads, head_dim, kp, vp);
+    const int group = num_heads / num_kv_heads;
+    _Pragma("omp parallel for schedule(dynamic)")
+    for (int64_t i = 0; i < num_items; i++) {
+        const Item it = items[i];
+        const int64_t end = qsl[it.seq + 1];
+        const int64_t q_end = it.q0 + QUERY_BLOCK < end ? it.q0 + QUERY_BLOCK : end;
+        const int64_t kv = (int64_t)(it.head / group) * head_elems;
+        (head_dim == 64 ? pairs_item_d4 : pairs_item_d8)(query, q_stride, kp + kv, vp + kv,
+                                                         qsl[it.seq], it.q0, q_end, it.head,
+                                                         num_heads, scale, out);
+    }
+    free(items);
+    free(kp);
+    return 0;
+}
+#endif /* __AVX512BF16__ */
 #endif
 
 /* --- bf16 on AMX ------------------------------------------------------------------------------
@@ -613,6 +783,14 @@ int prefill_simd_available(void) {
 #endif
 }
 
+int prefill_dpbf16_available(void) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 int prefill_amx_available(void) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
     return matmul_amx_available();
@@ -647,11 +825,21 @@ int NAME(const T *query, int64_t q_stride, const T *key, int64_t k_stride, const
 #else
 #define AMX_CALL_bf16
 #endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define DPBF16_CALL_bf16                                                                           \
+    if (pagoda_prefill_simd && pagoda_prefill_dpbf16)                                              \
+        return pairs_bf16(query, q_stride, key, k_stride, value, v_stride, query_start_loc,        \
+                          num_seqs, num_heads, num_kv_heads, head_dim, scale, out);
+#else
+#define DPBF16_CALL_bf16
+#endif
 #define AMX_CALL_f32
+#define DPBF16_CALL_f32
 
 #if defined(__AVX512F__)
 #define SIMD_CALL(SFX)                                                                             \
     AMX_CALL_##SFX                                                                                 \
+    DPBF16_CALL_##SFX                                                                              \
     if (pagoda_prefill_simd)                                                                       \
         return simd_##SFX(query, q_stride, key, k_stride, value, v_stride, query_start_loc,        \
                           num_seqs, num_heads, num_kv_heads, head_dim, scale, out);
