@@ -1,7 +1,7 @@
 """The C prefill attention for whole prompts (pagoda_kernels/cpu/prefill_attention.c) against the torch
 reference (pagoda_kernels.reference.causal_prefill_attention), on every path this machine runs
-(portable, AVX-512, AMX for bf16), and the CPU attention backend that calls it against the
-torch backend."""
+(portable, AVX-512, AVX512-BF16 and AMX for bf16), and the CPU attention backend that calls it
+against the torch backend."""
 import itertools
 
 import pytest
@@ -102,9 +102,12 @@ def test_the_avx512_bf16_path_runs_where_the_cpu_has_it_and_is_the_default_there
                     "widens to float on AVX-512 here")
     q, k, v, starts = packed([300, 7, 64], 9, 3, 64, torch.bfloat16)
     results = {}
-    for p in ("avx512", "avx512_bf16", "amx"):  # "amx": the default, falling to avx512_bf16
-        cpu_kernels.set_prefill_path(p)
-        results[p] = cpu_kernels.causal_prefill_attention(q, k, v, starts, 300, 0.125)
+    try:
+        for p in ("avx512", "avx512_bf16", "amx"):  # "amx": the default, falling to avx512_bf16
+            cpu_kernels.set_prefill_path(p)
+            results[p] = cpu_kernels.causal_prefill_attention(q, k, v, starts, 300, 0.125)
+    finally:
+        cpu_kernels.set_prefill_path("amx")
     # Its probabilities rounded to bf16: not the widened path's result bit for bit.
     assert not torch.equal(results["avx512_bf16"], results["avx512"])
     torch.testing.assert_close(results["avx512_bf16"].float(), results["avx512"].float(),

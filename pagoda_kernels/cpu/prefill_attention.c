@@ -384,14 +384,16 @@ static void pack_bf16_pairs(const uint16_t *key, int64_t k_stride, const uint16_
         const int64_t b = i % num_blocks, t0 = b * KEY_BLOCK;
         uint16_t *kb = kp + i * block_elems, *vb = vp + i * block_elems;
         for (int t = 0; t < KEY_BLOCK; t++) {
-            const int here = t0 + t < num_tokens; /* zeros past the last token */
+            uint16_t *kt = kb + 2 * t, *vt = vb + (t / 2) * 2 * head_dim + (t & 1);
+            if (t0 + t >= num_tokens) { /* zeros past the last token (no pointer to it) */
+                for (int d = 0; d < head_dim; d++) kt[(d / 2) * 2 * KEY_BLOCK + (d & 1)] = 0;
+                for (int d = 0; d < head_dim; d++) vt[2 * d] = 0;
+                continue;
+            }
             const uint16_t *kr = key + (t0 + t) * k_stride + (int64_t)kh * head_dim;
             const uint16_t *vr = value + (t0 + t) * v_stride + (int64_t)kh * head_dim;
-            uint16_t *vt = vb + (t / 2) * 2 * head_dim + (t & 1);
-            for (int d = 0; d < head_dim; d++) {
-                kb[(d / 2) * 2 * KEY_BLOCK + 2 * t + (d & 1)] = here ? kr[d] : 0;
-                vt[2 * d] = here ? vr[d] : 0;
-            }
+            for (int d = 0; d < head_dim; d++) kt[(d / 2) * 2 * KEY_BLOCK + (d & 1)] = kr[d];
+            for (int d = 0; d < head_dim; d++) vt[2 * d] = vr[d];
         }
     }
 }
@@ -503,7 +505,7 @@ static int pairs_bf16(const uint16_t *query, int64_t q_stride, const uint16_t *k
     const int64_t num_tokens = qsl[num_seqs];
     const int64_t num_blocks = (num_tokens + KEY_BLOCK - 1) / KEY_BLOCK;
     const int64_t head_elems = num_blocks * KEY_BLOCK * head_dim; /* one KV head's K */
-    uint16_t *kp = malloc((size_t)(2 * num_kv_heads * head_elems + 32) * sizeof(uint16_t));
+    uint16_t *kp = malloc((size_t)(2 * num_kv_heads * head_elems) * sizeof(uint16_t));
     Item *items;
     const int64_t num_items =
         kp ? list_items(qsl, num_seqs, num_heads, QUERY_BLOCK, &items) : -1;
