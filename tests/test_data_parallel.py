@@ -103,9 +103,9 @@ def _health(status, **details):
 
 def test_a_request_goes_to_the_least_loaded_live_replica():
     a, b, c = (EngineReplica(k, f"ipc://{k}") for k in range(3))
-    a.observe(_health("ok", running=4, waiting=2))
-    b.observe(_health("ok", running=3, waiting=0))
-    c.observe(_health("ok", running=0, waiting=0))
+    a.observe(_health("ok", running=4, waiting=2), 1.0)
+    b.observe(_health("ok", running=3, waiting=0), 1.0)
+    c.observe(_health("ok", running=0, waiting=0), 1.0)
     c.ok = False
     assert least_loaded([a, b, c], 0) is b
     b.sent_since_answer = 4  # sent since its last report: counted

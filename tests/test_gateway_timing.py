@@ -1,6 +1,6 @@
 """The gateway's waits, without a stack: a request's wait for its next item with one re-arming
 timer (services/gateway/request_stream.py `RequestStream.next_item`), whether a request with no
-output is queued or lost (`EngineReplica.queued_since`, services/gateway/replicas.py), and
+output is queued or lost (`EngineReplica.waiting_its_turn`, services/gateway/replicas.py), and
 `EngineStreams.next_ready`, the look at the merged outputs that never waits
 (services/gateway/streaming.py)."""
 import asyncio
@@ -165,20 +165,20 @@ def test_a_stopped_timer_puts_nothing():
     _run(go())
 
 
-# -- EngineReplica.queued_since: a request waiting its turn, or one the engine no longer has -----
+# -- EngineReplica.waiting_its_turn: a request queued behind others, or one the engine lost ----
 def _answer(replica: EngineReplica, sent_at: float, steps: int, running: int = 0,
-            waiting: int = 0) -> None:
-    replica.observe(HealthResponse("engine", "ok", {"steps": steps, "running": running,
-                                                    "waiting": waiting}), sent_at)
+            waiting: int = 0, swapped: int = 0) -> None:
+    replica.observe(HealthResponse("engine", "ok", {
+        "steps": steps, "running": running, "waiting": waiting, "swapped": swapped}), sent_at)
 
 
 def test_a_request_waits_while_its_engine_runs_steps_for_others():
     r = EngineReplica(0, "ipc://engine")
     for t in range(10):  # a busy engine: a step or more between probes, a queue behind
         _answer(r, float(t), steps=3 * t, running=16, waiting=4)
-    assert r.queued_since(5.0)
-    assert r.queued_since(8.0)  # the probe sent at 8 saw a step that ran after it
-    assert not r.queued_since(9.0)  # no step is known to have run after 9
+    assert r.waiting_its_turn(5.0, 0.0)
+    assert r.waiting_its_turn(8.0, 0.0)  # the probe sent at 8 saw a step that ran after it
+    assert not r.waiting_its_turn(9.0, 0.0)  # no step is known to have run after 9
 
 
 def test_a_request_with_no_output_fails_when_the_engine_stopped_stepping():
@@ -187,16 +187,33 @@ def test_a_request_with_no_output_fails_when_the_engine_stopped_stepping():
         _answer(r, float(t), steps=t, running=1)
     for t in range(4, 10):  # it still answers, with requests, but its steps stopped
         _answer(r, float(t), steps=3, running=1)
-    assert r.queued_since(2.0)  # it ran a step after 2 (seen by the probe sent at 3)
-    assert not r.queued_since(3.5)
+    assert r.waiting_its_turn(2.0, 0.0)  # it ran a step after 2 (seen by the probe sent at 3)
+    assert not r.waiting_its_turn(3.5, 0.0)
 
 
 def test_a_request_fails_when_its_engine_steps_but_was_seen_holding_no_request():
     r = EngineReplica(0, "ipc://engine")
     for t in range(10):
         _answer(r, float(t), steps=t, running=0 if t == 6 else 2)
-    assert r.queued_since(6.5)  # the idle answer was sent before the wait began
-    assert not r.queued_since(5.0)  # an answer sent after it began found no request at all
+    assert r.waiting_its_turn(5.0, 6.5)  # the idle answer was sent before its last output
+    assert not r.waiting_its_turn(5.0, 5.0)  # an answer sent after that found no request
+
+
+def test_an_engine_holding_only_swapped_out_requests_is_not_idle():
+    r = EngineReplica(0, "ipc://engine")
+    for t in range(10):
+        _answer(r, float(t), steps=t, swapped=3)
+    assert r.load == 0 and r.waiting_its_turn(5.0, 1.0)
+
+
+def test_an_older_probes_answer_taken_in_late_does_not_move_the_bounds():
+    r = EngineReplica(0, "ipc://engine")
+    _answer(r, 1.0, steps=1, running=2)
+    _answer(r, 5.0, steps=9, running=2)  # the step ran after 1
+    _answer(r, 3.0, steps=4)  # sent before the one above: stale, and its "idle" too
+    assert (r.stepped_after, r.probed_at, r.idle_at) == (1.0, 5.0, 0.0)
+    _answer(r, 6.0, steps=10, running=2)
+    assert r.stepped_after == 5.0
 
 
 # -- EngineStreams.next_ready -------------------------------------------------------------------

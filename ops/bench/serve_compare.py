@@ -282,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2, default=str)
         print(f"saved {args.output_json}")
-    failed = sum(p["summary"]["failed"] or 0 for p in passes)
+    failed = sum(p["summary"].get("failed") or 0 for p in passes)
     return 1 if failed else 0
 
 

@@ -56,7 +56,8 @@ class GatewaySettings:
 
 
 class PendingRequests:
-    """Counts generation requests in flight; refuses past the limit instead of queueing."""
+    """Counts generation requests in flight; with a limit, refuses past it instead of
+    queueing."""
 
     def __init__(self, limit: int | None, metrics: GatewayMetrics):
         self.limit = limit

@@ -71,8 +71,9 @@ class AsyncEngineClient:
                  ack_timeout_s: float = 5.0, max_resubmits: int = 3,
                  engine_timeout_s: float | None = None, probe_interval_s: float = 1.0):
         """`output_timeout_s`: a request with no output for this long ends with an error
-        (503), unless its engine ran steps in that time (the request waits its turn behind
-        others); and every request ends so once the engine has been away this long.
+        (503), unless its engine ran steps in that time and was not seen holding no requests
+        since the request's last output (it waits its turn behind others); and every request
+        ends so once the engine has been away this long.
         `ack_timeout_s`, `max_resubmits`: how long to wait for the engine to acknowledge a
         request before sending it again, and how often. `engine_timeout_s` (default: the
         stack's liveness timeout): how long the engine may leave its control socket
@@ -188,9 +189,12 @@ class AsyncEngineClient:
             await self._submit(frame, request_id)
             accepted, resends = False, 0
             unreachable_since = None  # when a tokenizer first said it cannot reach the engine
+            quiet_since = time.monotonic()  # the request's last sign of life
+            wait_s = None  # set when a quiet request was found waiting its turn
             while True:
-                timeout = self.output_timeout_s if accepted else min(self.ack_timeout_s,
-                                                                     self.output_timeout_s)
+                timeout = wait_s or (self.output_timeout_s if accepted
+                                     else min(self.ack_timeout_s, self.output_timeout_s))
+                wait_s = None
                 # Not `wait_for`: on Python 3.11 it can swallow a cancellation that comes as
                 # the item does, and a request whose client left then runs on.
                 item = await stream.next_item(timeout)
@@ -203,13 +207,17 @@ class AsyncEngineClient:
                                  f"{self.engine_away_s():.0f} s", request_id) from None
                     if accepted:
                         replica = self.replicas[stream.replica]
-                        since = time.monotonic() - timeout
-                        if replica.queued_since(since):
-                            continue  # behind other requests of a busy engine: it waits
-                        why = (" (the engine holds no requests)" if replica.idle_at >= since
-                               else "")
+                        now = time.monotonic()
+                        if replica.waiting_its_turn(now - self.output_timeout_s, quiet_since):
+                            # Behind other requests of a busy engine: it waits, until the
+                            # engine has gone a whole timeout without a step.
+                            wait_s = max(replica.stepped_after + self.output_timeout_s - now,
+                                         self.probe_interval_s)
+                            continue
+                        why = (" (the engine holds no requests)"
+                               if replica.idle_at >= quiet_since else "")
                         raise EngineRequestError(
-                            503, f"no output from the engine for {self.output_timeout_s:.0f} "
+                            503, f"no output from the engine for {now - quiet_since:.0f} "
                                  f"s{why}", request_id) from None
                     if resends >= self.max_resubmits:
                         raise EngineRequestError(
@@ -222,6 +230,7 @@ class AsyncEngineClient:
                                 request_id=request_id, attempt=resends + 1)
                     await self._submit(frame, request_id)
                     continue
+                quiet_since = time.monotonic()
                 if item is RESUBMIT:
                     frame = self._frame(request_id, stream)
                     accepted, resends = False, 0

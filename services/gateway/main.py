@@ -54,9 +54,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--request-timeout", type=float, default=60.0,
                    help="seconds without output after which a request fails (503, or an "
                         "error event in a stream), unless the engine ran steps in that time "
-                        "(the request is queued behind others, and waits); also how long "
-                        "requests wait for an engine that is away (restarting): they are then "
-                        "sent to it again and go on where they were")
+                        "and was not seen holding no requests since (the request is queued "
+                        "behind others, and waits; keep it well above the 1 s health probe "
+                        "interval); also how long requests wait for an engine that is away "
+                        "(restarting): they are then sent to it again and go on where they "
+                        "were")
     EngineArgs.add_cli_args(parser)
     StackConfig.add_cli_args(parser)
 
@@ -100,7 +102,7 @@ def raise_open_files_limit() -> tuple[int, int]:
     Returns (before, after)."""
     import resource
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard != resource.RLIM_INFINITY and soft >= hard:
+    if soft == hard or (hard != resource.RLIM_INFINITY and soft >= hard):
         return soft, soft
     want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
     try:

@@ -31,14 +31,16 @@ class EngineReplica:
     sent_since_answer: int = 0  # requests this client bound to it since that answer
     # What tells a request queued behind others from one the engine no longer has, as send
     # times (monotonic) of answered probes: the engine ran a step after `stepped_after`, and
-    # held no request at `idle_at`.
+    # held no request (running, waiting or swapped out) at `idle_at`.
     steps: int = -1  # its step count at its last answer
     probed_at: float = 0.0
     stepped_after: float = 0.0
     idle_at: float = 0.0
 
-    def observe(self, health: HealthResponse, sent_at: float = 0.0) -> None:
-        """Take in a probe's answer; `sent_at`: when that probe was sent."""
+    def observe(self, health: HealthResponse, sent_at: float) -> None:
+        """Take in the answer to a probe sent at `sent_at` (monotonic)."""
+        if sent_at < self.probed_at:
+            return  # an older probe's answer, taken in late: what is here is newer
         details = health.details
         self.load = int(details.get("running") or 0) + int(details.get("waiting") or 0)
         self.kv_cache_usage = float(details.get("kv_cache_usage") or 0.0)
@@ -47,15 +49,16 @@ class EngineReplica:
         if steps != self.steps:
             # The step ran after the previous answered probe was sent: the sure bound.
             self.steps, self.stepped_after = steps, self.probed_at
-        if self.load == 0:
+        if self.load == 0 and not details.get("swapped"):
             self.idle_at = sent_at
         self.probed_at = sent_at
 
-    def queued_since(self, since: float) -> bool:
-        """Whether a request of this engine with no output since `since` is waiting its turn:
-        the engine has run steps since then, and no answer sent after then found it without
-        requests (a request it no longer has waits for nothing)."""
-        return self.stepped_after >= since and self.idle_at < since
+    def waiting_its_turn(self, stepped_since: float, quiet_since: float) -> bool:
+        """Whether a request of this engine with no output since `quiet_since` waits its turn
+        behind others: the engine ran a step after `stepped_since`, and no answer to a probe
+        sent after `quiet_since` found it holding no requests (one it no longer has waits for
+        nothing)."""
+        return self.stepped_after >= stepped_since and self.idle_at < quiet_since
 
 
 def least_loaded(replicas: list[EngineReplica], turn: int) -> EngineReplica | None:
