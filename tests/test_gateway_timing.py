@@ -211,7 +211,7 @@ def test_an_older_probes_answer_taken_in_late_does_not_move_the_bounds():
     _answer(r, 1.0, steps=1, running=2)
     _answer(r, 5.0, steps=9, running=2)  # the step ran after 1
     _answer(r, 3.0, steps=4)  # sent before the one above: stale, and its "idle" too
-    assert (r.stepped_after, r.probed_at, r.idle_at) == (1.0, 5.0, 0.0)
+    assert (r.stepped_after, r.probed_at, r.idle_at) == (1.0, 5.0, float("-inf"))
     _answer(r, 6.0, steps=10, running=2)
     assert r.stepped_after == 5.0
 

@@ -33,9 +33,9 @@ class EngineReplica:
     # times (monotonic) of answered probes: the engine ran a step after `stepped_after`, and
     # held no request (running, waiting or swapped out) at `idle_at`.
     steps: int = -1  # its step count at its last answer
-    probed_at: float = 0.0
-    stepped_after: float = 0.0
-    idle_at: float = 0.0
+    probed_at: float = float("-inf")  # -inf: not yet
+    stepped_after: float = float("-inf")
+    idle_at: float = float("-inf")
 
     def observe(self, health: HealthResponse, sent_at: float) -> None:
         """Take in the answer to a probe sent at `sent_at` (monotonic)."""
