@@ -218,6 +218,22 @@ static inline __mmask16 visible_lanes(int64_t b, int64_t start, int64_t q) {
     return (__mmask16)(upto & ~below);
 }
 
+/* One row's online-softmax update for one key block: `s` its scaled scores, `valid` the keys it
+ * sees. Returns the block's probabilities; *corr is the factor the row's accumulators take. A
+ * row with no visible key here (past its causal end) keeps its state: its first block always
+ * has a visible key, so run_max is finite by then. */
+static inline __attribute__((always_inline)) __m512 softmax_block(
+        __m512 s, __mmask16 valid, float *run_max, __m512 *run_sum, __m512 *corr) {
+    const __m512 sc = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), s);
+    const float block_max = _mm512_reduce_max_ps(sc);
+    const float new_max = block_max > *run_max ? block_max : *run_max;
+    *corr = _mm512_set1_ps(exp_approx(*run_max - new_max));
+    const __m512 p = exp16(_mm512_sub_ps(sc, _mm512_set1_ps(new_max)));
+    *run_max = new_max;
+    *run_sum = _mm512_fmadd_ps(*run_sum, *corr, p);
+    return p;
+}
+
 /* R query rows (`q`: R x head_dim floats, scale folded in) take in one key block: scores,
  * online-softmax update of run_max / run_sum, and acc (R x head_dim) += p V. Expanded for each
  * (R, ND = head_dim / 16) so that the loops over them unroll. */
@@ -238,19 +254,9 @@ static inline __attribute__((always_inline)) void NAME(                         
     }                                                                                              \
     float probs[R][KEY_BLOCK] __attribute__((aligned(64)));                                        \
     __m512 corr[R];                                                                                \
-    for (int r = 0; r < R; r++) {                                                                  \
-        const __m512 sc = _mm512_mask_blend_ps(valid[r], _mm512_set1_ps(-INFINITY),                \
-                                               _mm512_add_ps(s[r][0], s[r][1]));                   \
-        const float block_max = _mm512_reduce_max_ps(sc);                                          \
-        /* A row with no visible key here (past its causal end) keeps its state: its first         \
-         * block always has a visible key, so run_max is finite by then. */                        \
-        const float new_max = block_max > run_max[r] ? block_max : run_max[r];                     \
-        corr[r] = _mm512_set1_ps(exp_approx(run_max[r] - new_max));                                \
-        const __m512 p = exp16(_mm512_sub_ps(sc, _mm512_set1_ps(new_max)));                        \
-        run_max[r] = new_max;                                                                      \
-        run_sum[r] = _mm512_fmadd_ps(run_sum[r], corr[r], p);                                      \
-        _mm512_store_ps(probs[r], p);                                                              \
-    }                                                                                              \
+    for (int r = 0; r < R; r++)                                                                    \
+        _mm512_store_ps(probs[r], softmax_block(_mm512_add_ps(s[r][0], s[r][1]), valid[r],         \
+                                                run_max + r, run_sum + r, corr + r));              \
     for (int j0 = 0; j0 < ND; j0 += 4) { /* 4 vectors of head_dim a pass: R * 4 accumulators */    \
         __m512 a[R][4];                                                                            \
         for (int r = 0; r < R; r++)                                                                \
@@ -420,15 +426,8 @@ static inline __attribute__((always_inline)) void NAME(                         
     __m512 corr[R];                                                                                \
     const __m512 scales = _mm512_set1_ps(scale);                                                   \
     for (int r = 0; r < R; r++) {                                                                  \
-        const __m512 sc = _mm512_mask_blend_ps(                                                    \
-            valid[r], _mm512_set1_ps(-INFINITY),                                                   \
-            _mm512_mul_ps(_mm512_add_ps(s[r][0], s[r][1]), scales));                               \
-        const float block_max = _mm512_reduce_max_ps(sc);                                          \
-        const float new_max = block_max > run_max[r] ? block_max : run_max[r];                     \
-        corr[r] = _mm512_set1_ps(exp_approx(run_max[r] - new_max));                                \
-        const __m512 p = exp16(_mm512_sub_ps(sc, _mm512_set1_ps(new_max)));                        \
-        run_max[r] = new_max;                                                                      \
-        run_sum[r] = _mm512_fmadd_ps(run_sum[r], corr[r], p);                                      \
+        const __m512 p = softmax_block(_mm512_mul_ps(_mm512_add_ps(s[r][0], s[r][1]), scales),     \
+                                       valid[r], run_max + r, run_sum + r, corr + r);              \
         _mm256_store_si256((__m256i *)probs[r], (__m256i)_mm512_cvtneps_pbh(p));                   \
     }                                                                                              \
     for (int j0 = 0; j0 < ND; j0 += 4) {                                                           \
