@@ -30,6 +30,7 @@
 
 #include "avx512.h"
 
+#define PACE_BLOCKS 4     /* the next panel is fetched over a chunk's first 4 blocks */
 #define PANEL 32          /* output columns per panel */
 #define ROW_CHUNK 256     /* rows a thread takes against its panels before the next chunk */
 #define ROWS 12           /* rows per block: 24 accumulator vectors */
@@ -76,31 +77,57 @@ static inline void write_row(__m512 acc0, __m512 acc1, const float *bias, int64_
     _mm512_storeu_ps(y_row + p * 16, _mm512_mul_ps(silu, up));
 }
 
-/* R rows x 32 columns of one panel in 2R accumulator vectors, written out by write_row. The
- * first block of a chunk streams the panel in; the second brings the next panel to L2, so that
- * memory is never idle while the others compute. Expanded for 1..12 rows so the accumulators
- * stay in registers. */
-#define DEFINE_BLOCK(R)                                                                            \
-static void block_##R(const float *x, int64_t x_stride, const float *panel, int64_t k,           \
-                      int first, const float *next_panel, const float *bias, int64_t p,            \
-                      int64_t n, int gate_up, float *y, int64_t y_cols) {                          \
-    __m512 acc0[R], acc1[R];                                                                       \
-    for (int i = 0; i < R; i++) acc0[i] = acc1[i] = _mm512_setzero_ps();                           \
-    for (int64_t s = 0; s < k; s++) {                                                              \
+/* R rows x 32 columns of one panel in 2R accumulator vectors, written out by write_row.
+ * Memory and the FMAs overlap only if the weight stream is paced: each block fetches its share
+ * of the next panel's cache lines into L2 (`fetch_lines` of them from `fetch`), one every few K
+ * steps. Fetched in a burst (the whole next panel during one block, as before), a decode
+ * step's matmuls took about their memory time (batch 1) plus their FMA time: no overlap.
+ * Paced, a step of the default model's matmuls at batch 8-128 takes 11-18% less time, and
+ * prompts run 4-7% faster. The first block of a chunk also streams its own panel ahead into L1,
+ * for a panel nobody fetched.
+ * Expanded for 1..12 rows so the accumulators stay in registers. */
+#define BLOCK_STEP(R)                                                                              \
+    do {                                                                                           \
         const float *b = panel + s * PANEL;                                                        \
-        if (first) {                                                                               \
-            _mm_prefetch((const char *)(b + PREFETCH_K * PANEL), _MM_HINT_T0);                     \
-            _mm_prefetch((const char *)(b + PREFETCH_K * PANEL + 16), _MM_HINT_T0);                \
-        } else if (next_panel) {                                                                   \
-            _mm_prefetch((const char *)(next_panel + s * PANEL), _MM_HINT_T1);                     \
-            _mm_prefetch((const char *)(next_panel + s * PANEL + 16), _MM_HINT_T1);                \
-        }                                                                                          \
         const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16);                        \
         for (int i = 0; i < R; i++) {                                                              \
             const __m512 a = _mm512_set1_ps(x[i * x_stride + s]);                                  \
             acc0[i] = _mm512_fmadd_ps(a, b0, acc0[i]);                                             \
             acc1[i] = _mm512_fmadd_ps(a, b1, acc1[i]);                                             \
         }                                                                                          \
+    } while (0)
+
+#define DEFINE_BLOCK(R)                                                                            \
+static void block_##R(const float *x, int64_t x_stride, const float *panel, int64_t k,           \
+                      int first, const float *fetch, int64_t fetch_lines, const float *bias,      \
+                      int64_t p, int64_t n, int gate_up, float *y, int64_t y_cols) {              \
+    __m512 acc0[R], acc1[R];                                                                       \
+    for (int i = 0; i < R; i++) acc0[i] = acc1[i] = _mm512_setzero_ps();                           \
+    if (fetch_lines) {                                                                             \
+        int64_t due = 0;                                                                           \
+        for (int64_t s = 0; s < k; s++) {                                                          \
+            if (first) {                                                                           \
+                const float *ahead = panel + (s + PREFETCH_K) * PANEL;                             \
+                _mm_prefetch((const char *)ahead, _MM_HINT_T0);                                    \
+                _mm_prefetch((const char *)(ahead + 16), _MM_HINT_T0);                             \
+            }                                                                                      \
+            due += fetch_lines;                                                                    \
+            if (due >= k) { /* at most one line a step: fetch_lines <= k */                       \
+                due -= k;                                                                          \
+                _mm_prefetch((const char *)fetch, _MM_HINT_T1);                                    \
+                fetch += 16;                                                                       \
+            }                                                                                      \
+            BLOCK_STEP(R);                                                                         \
+        }                                                                                          \
+    } else if (first) {                                                                            \
+        for (int64_t s = 0; s < k; s++) {                                                          \
+            const float *ahead = panel + (s + PREFETCH_K) * PANEL;                                 \
+            _mm_prefetch((const char *)ahead, _MM_HINT_T0);                                        \
+            _mm_prefetch((const char *)(ahead + 16), _MM_HINT_T0);                                 \
+            BLOCK_STEP(R);                                                                         \
+        }                                                                                          \
+    } else {                                                                                       \
+        for (int64_t s = 0; s < k; s++) BLOCK_STEP(R);                                             \
     }                                                                                              \
     for (int i = 0; i < R; i++)                                                                    \
         write_row(acc0[i], acc1[i], bias, p, n, gate_up, y + i * y_cols);                          \
@@ -111,7 +138,7 @@ DEFINE_BLOCK(5) DEFINE_BLOCK(6) DEFINE_BLOCK(7) DEFINE_BLOCK(8)
 DEFINE_BLOCK(9) DEFINE_BLOCK(10) DEFINE_BLOCK(11) DEFINE_BLOCK(12)
 
 typedef void (*block_fn)(const float *, int64_t, const float *, int64_t, int, const float *,
-                         const float *, int64_t, int64_t, int, float *, int64_t);
+                         int64_t, const float *, int64_t, int64_t, int, float *, int64_t);
 static const block_fn blocks[ROWS + 1] = {NULL, block_1, block_2, block_3, block_4,
                                           block_5, block_6, block_7, block_8,
                                           block_9, block_10, block_11, block_12};
@@ -131,10 +158,18 @@ int matmul_f32(const float *x, int64_t x_stride, int64_t m, const float *packed,
         for (int64_t p = 0; p < panels; p++) {
             const float *panel = packed + p * k * PANEL;
             const float *next = p + 1 < panels ? panel + k * PANEL : NULL;
-            for (int64_t r0 = chunk; r0 < chunk_end; r0 += ROWS) {
+            /* The next panel's 2k cache lines, split over the first blocks, at most k to a
+             * block: a lone block (12 rows or fewer) fetches the first half, which ran faster
+             * at batch 8-12 than fetching it all (the first block's own stream takes the rest). */
+            const int64_t nb = (chunk_end - chunk + ROWS - 1) / ROWS, lines = 2 * k;
+            const int64_t paced = nb < PACE_BLOCKS ? nb : PACE_BLOCKS;
+            for (int64_t b = 0, r0 = chunk; r0 < chunk_end; r0 += ROWS, b++) {
                 const int rows = (int)(chunk_end - r0 < ROWS ? chunk_end - r0 : ROWS);
-                blocks[rows](x + r0 * x_stride, x_stride, panel, k, r0 == chunk,
-                             r0 == chunk + ROWS ? next : NULL, bias, p, n, gate_up,
+                const int64_t l0 = b < paced ? lines * b / paced : 0;
+                const int64_t l1 = b < paced ? lines * (b + 1) / paced : 0;
+                const int64_t fetch_lines = !next ? 0 : l1 - l0 < k ? l1 - l0 : k;
+                blocks[rows](x + r0 * x_stride, x_stride, panel, k, b == 0,
+                             next ? next + l0 * 16 : NULL, fetch_lines, bias, p, n, gate_up,
                              y + r0 * y_cols, y_cols);
             }
         }
