@@ -7,13 +7,14 @@ Sockets (all bound here; every other process connects):
   from detokenizers, Register heartbeats from tokenizers and clients (gateways);
 - worker_addr (ROUTER): the workers (ZmqExecutor);
 - detokenizer_addr (ROUTER): detokenizers register; each request's TokenDeltas go to one of
-  them, picked when the request first produces output and kept for its lifetime.
+  them, picked when the request first produces output and kept for its lifetime
+  (`OutputDelivery`, output_delivery.py).
 
 The loop keeps one step in flight: it schedules and submits step N+1 before reading step N.
 While it waits for a step's output it keeps serving its other sockets, so requests are taken in
 (and acknowledged) and heartbeats are read during long steps.
 
-Faults it survives:
+Faults it survives (`FaultRecovery`, fault_recovery.py; a lost detokenizer, `OutputDelivery`):
 - a worker dies: `WorkerLost` (its heartbeats stop, or a send to it fails). The steps in flight
   are discarded and every request goes back to waiting to be recomputed from its tokens; once
   a worker registers for the rank again (the launcher restarts it) its KV cache is initialized
@@ -26,8 +27,8 @@ Faults it survives:
 - a client (gateway) dies: its heartbeats stop, and its requests are aborted.
 - a worker is stuck (a step in flight for `step_timeout_s`, heartbeats or not): as if it died;
   health says "stalled" while requests wait and no step completes.
-- a worker's KV cache cannot be set up: tried `_MAX_SETUP_ATTEMPTS` times, then health says
-  "failed" with the error until a new worker process registers.
+- a worker's KV cache cannot be set up: tried `_MAX_SETUP_ATTEMPTS` times (fault_recovery.py),
+  then health says "failed" with the error until a new worker process registers.
 - this process dies: clients send their requests again, with their output so far, to the
   engine that replaces it (`LLMEngine.resume_outputs`), or to another replica.
 
@@ -39,7 +40,6 @@ import argparse
 import signal
 import threading
 import time
-import zlib
 from collections import OrderedDict, deque
 
 import structlog
@@ -48,27 +48,25 @@ import zmq
 from proto.codec import CodecError, decode, encode
 from proto.control import Register
 from proto.requests import (AbortRequest, EngineRequest, ErrorResponse, FinishRequest,
-                            PromptDelta, RequestAccepted, RequestTokenDelta, SequenceTokenDelta,
-                            TokenDeltas)
+                            RequestAccepted)
 from shared.config import EngineArgs
 from shared.logging import configure, get_logger
 from shared.recent_ids import RecentIds
 from shared.sockets import ControlServer, PushRoutes, bind, make_socket, unlink_ipc
 from shared.stack_config import StackConfig
-from services.engine.executor.zmq_executor import WorkerCallError, WorkerLost, ZmqExecutor
-from services.engine.llm_engine import LLMEngine, NoKVCacheError, may_submit, must_collect
+from services.engine.executor.zmq_executor import WorkerLost, ZmqExecutor
+from services.engine.fault_recovery import FaultRecovery
+from services.engine.llm_engine import may_submit, must_collect
+from services.engine.output_delivery import OutputDelivery
 
 log = get_logger("engine")
 
-_DETOK_CONTEXT = 5  # prompt tokens the detokenizer decodes before the first output token
 _ENDED_REMEMBERED = 65536  # ended requests whose late copies are recognised and ignored
 # Aborts of requests not here yet (still at a tokenizer), and lost gateways: a request that
 # arrives after either is dropped. Kept longer than a request waits in a tokenizer's queue.
 _EARLY_ABORT_S = 120.0
 _EARLY_ABORTS_REMEMBERED = 65536
 _PEER_CHECK_S = 0.25
-_MAX_SETUP_ATTEMPTS = 3  # KV cache set-ups that may fail for the same worker processes
-_SETUP_RETRY_S = 1.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-class EngineService:
+class EngineService(FaultRecovery):
     def __init__(self, engine_args: EngineArgs, stack: StackConfig):
         self.stack = stack
         self.ctx = zmq.Context()
@@ -104,8 +102,6 @@ class EngineService:
         self.detok.setsockopt(zmq.ROUTER_MANDATORY, 1)
         bind(self.detok, stack.detokenizer_addr)
         self.routes = PushRoutes(self.ctx)
-        self.gateway_of: dict[str, str] = {}  # request id -> the client's return address
-        self.detok_of: dict[str, bytes] = {}  # request id -> its detokenizer (sticky)
         self.in_flight: deque = deque()  # SchedulerOutputs of submitted, uncollected steps
         self.step_bytes: deque[int] = deque(maxlen=64)
         # Acknowledgements to send, by client, gathered over one turn of the loop.
@@ -116,19 +112,16 @@ class EngineService:
         self.early_aborts = RecentIds(_EARLY_ABORT_S, _EARLY_ABORTS_REMEMBERED)
         self.lost_gateways = RecentIds(_EARLY_ABORT_S, 1024)
         self.dropped_on_arrival = 0  # requests whose client had left before they came
-        # Requests whose output waits for a live detokenizer (theirs died, none is left).
-        self.undelivered: dict[str, object] = {}
-        # Finished requests' last deltas, kept a while by detokenizer: if that one dies with
-        # them unread, they are replayed to another. (monotonic time, detok, group, gateway)
-        self.delivered: deque[tuple[float, bytes, object, str]] = deque()
         self.worker_losses = 0
-        self.detokenizer_losses = 0
         self.gateway_losses = 0
         self._next_peer_check = 0.0
         self._stop = False
         config = engine_args.create_engine_config()
         self.executor = ZmqExecutor(config, stack, self.ctx)
         engine = self._build_engine(config)
+        # Token deltas out to the detokenizers (it looks requests up in the engine, so after it).
+        self.delivery = OutputDelivery(self.detok, self.routes, self.peers["detokenizer"],
+                                       stack.liveness_timeout_s, engine, self._ended)
         self.engine = engine  # last: the health callback reads the fields above once it is set
         self.status = "ok"
 
@@ -167,7 +160,7 @@ class EngineService:
                            preemptions=sum(s.num_preemptions.values()),
                            workers=len(self.executor.workers) if ready else 0,
                            recovering=not ready, worker_losses=self.worker_losses,
-                           detokenizer_losses=self.detokenizer_losses,
+                           detokenizer_losses=self.delivery.losses,
                            gateways=self._live("gateway"), gateway_losses=self.gateway_losses,
                            dropped_on_arrival=self.dropped_on_arrival,
                            last_step_bytes=self.step_bytes[-1] if self.step_bytes else 0,
@@ -235,7 +228,7 @@ class EngineService:
                 self.in_flight.append(sched)
                 submitted = True
             elif sched.ignored_seq_groups:
-                self._send_deltas(self.engine.process_ignored(sched), -1)
+                self.delivery.send_deltas(self.engine.process_ignored(sched), -1)
         # 2) Read the oldest step's output once it is here: tokens, stops, frees, deltas out.
         if must_collect(self.in_flight, submitted):
             result = self.executor.take_output()
@@ -244,7 +237,7 @@ class EngineService:
             sched = self.in_flight.popleft()
             self.last_step_done = time.monotonic()
             groups = self.engine.process_model_outputs(sched, result)
-            self._send_deltas(groups, result.step_id)
+            self.delivery.send_deltas(groups, result.step_id)
             return 0
         return 0 if submitted else 200
 
@@ -261,8 +254,8 @@ class EngineService:
         if now >= self._next_peer_check:
             self._next_peer_check = now + _PEER_CHECK_S
             self._check_peers(now)
-        if self.undelivered:
-            self._deliver_held()
+        if self.delivery.undelivered:
+            self.delivery.deliver_held()
 
     def _drain(self, sock: zmq.Socket) -> None:
         while True:
@@ -312,12 +305,11 @@ class EngineService:
                       tell_detokenizer: bool) -> list:
         aborted = self.engine.abort_request(request_ids)
         if tell_detokenizer:
-            self._send_deltas([g for g in aborted if g.request_id in self.detok_of], -1)
+            told = [g for g in aborted if g.request_id in self.delivery.detok_of]
+            self.delivery.send_deltas(told, -1)
         for group in aborted:
             self._ended(group)
-            self.gateway_of.pop(group.request_id, None)
-            self.detok_of.pop(group.request_id, None)
-            self.undelivered.pop(group.request_id, None)
+            self.delivery.forget(group.request_id)
         if aborted:
             log.info("requests ended early", reason=reason,
                      request_ids=[g.request_id for g in aborted])
@@ -356,7 +348,7 @@ class EngineService:
             self.routes.send(req.gateway_id, encode(ErrorResponse(req.request_id, 400, str(e))))
             return
         group.return_prompt_token_ids = req.return_prompt_token_ids
-        self.gateway_of[req.request_id] = req.gateway_id
+        self.delivery.gateway_of[req.request_id] = req.gateway_id
         self.acks.setdefault(req.gateway_id, []).append(req.request_id)
         rlog.debug("request added", prompt_tokens=len(req.prompt_token_ids))
 
@@ -370,216 +362,6 @@ class EngineService:
         if len(self.ended) > _ENDED_REMEMBERED:
             self.ended.popitem(last=False)
 
-    # -- faults --------------------------------------------------------------------------------
-    def _check_peers(self, now: float) -> None:
-        if self.executor.has_all_workers():
-            self.executor.check_liveness()
-        timeout = self.stack.liveness_timeout_s
-        while self.delivered and now - self.delivered[0][0] > 2 * timeout:
-            self.delivered.popleft()
-        stale = [d for d, seen in self.peers["detokenizer"].items() if now - seen > timeout]
-        if stale:
-            busy = set(self.detok_of.values()) | {entry[1] for entry in self.delivered}
-            for detok in stale:
-                if detok in busy:
-                    self._detokenizer_lost(detok, f"no heartbeat for {timeout:.0f} s")
-        for gateway in [g for g, seen in self.peers["gateway"].items() if now - seen > timeout]:
-            self._gateway_lost(gateway, f"no heartbeat for {timeout:.0f} s")
-        if self.executor.ready:
-            self.executor.check_progress(self.stack.step_timeout_s)
-
-    def _gateway_lost(self, gateway: str, reason: str) -> None:
-        """A client process died: nobody reads its requests' output any more. They are
-        aborted, which frees their blocks. (A client that never sent a heartbeat is never
-        taken for dead.)"""
-        del self.peers["gateway"][gateway]
-        self.lost_gateways.add(gateway)  # its requests still upstream are dropped as they come
-        self.gateway_losses += 1
-        request_ids = [r for r, g in self.gateway_of.items() if g == gateway]
-        log.warning("gateway lost; aborting its requests", gateway=gateway, reason=reason,
-                    requests=len(request_ids))
-        if request_ids:
-            self._end_requests(request_ids, "gateway lost", tell_detokenizer=True)
-
-    def _worker_lost(self, error: WorkerLost) -> None:
-        ranks = self.executor.drop_lost_workers()
-        self.in_flight.clear()
-        num_requests = self.engine.recover_from_worker_loss()
-        self.worker_losses += 1
-        log.error("worker lost; its requests will be recomputed on its replacement",
-                  error=str(error), ranks=ranks, requests=num_requests)
-
-    def _build_engine(self, config):
-        """The LLMEngine, once the workers' KV cache is set up. A setup that fails is tried
-        again, `_MAX_SETUP_ATTEMPTS` times for the same worker processes; then they are
-        ignored (health says why) until new ones register."""
-        while True:
-            self.executor.wait_for_workers(float("inf"))
-            try:
-                engine = LLMEngine(config, lambda _: self.executor, detokenize=False)
-            except WorkerLost as e:
-                log.error("a worker was lost while the KV cache was set up", error=str(e))
-                self.executor.drop_lost_workers()
-                continue
-            except (WorkerCallError, NoKVCacheError) as e:
-                self._setup_failed(e)
-                continue
-            self._setup_ok()
-            return engine
-
-    def _setup_failed(self, error: Exception) -> None:
-        instances = self.executor.worker_instances()
-        attempt = self.setup_failures[instances] = self.setup_failures.get(instances, 0) + 1
-        log.error("worker setup failed", error=str(error), attempt=attempt,
-                  max_attempts=_MAX_SETUP_ATTEMPTS, workers=list(instances))
-        if attempt < _MAX_SETUP_ATTEMPTS:
-            time.sleep(_SETUP_RETRY_S)
-            return
-        self.executor.refuse_workers()
-        self.status = "failed"
-        self.setup_error = (f"{error} (failed {attempt} times; these worker processes are "
-                            f"ignored until new ones register)")
-        log.error("giving up on these worker processes; waiting for new ones",
-                  workers=list(instances), error=str(error))
-
-    def _setup_ok(self) -> None:
-        self.setup_error = None
-        self.setup_failures.clear()
-        if self.status == "failed":
-            self.status = "ok"
-
-    def _reinitialize_workers(self) -> None:
-        """Once every rank has a worker again: size and initialize the new KV cache."""
-        if not self.executor.has_all_workers():
-            return
-        try:
-            num_device_blocks, num_cpu_blocks = self.executor.determine_num_available_blocks()
-            if num_device_blocks <= 0:
-                raise NoKVCacheError("the new worker has no memory for a KV cache")
-            self.executor.initialize_cache(num_device_blocks, num_cpu_blocks)
-        except (WorkerCallError, NoKVCacheError) as e:
-            self._setup_failed(e)
-            if self.executor.has_all_workers():
-                raise WorkerLost(str(e)) from None  # dropped, to register and try again
-            return  # refused: a new worker process must come
-        self._setup_ok()
-        self.engine.resize_cache(num_device_blocks, num_cpu_blocks)
-        log.info("workers back; resuming", device_blocks=num_device_blocks,
-                 waiting=len(self.engine.scheduler.waiting))
-
-    def _detokenizer_lost(self, detok: bytes, reason: str) -> None:
-        """Its requests start over on another detokenizer: parameters and every output token
-        again (clients drop the text they already have by its offset)."""
-        self.peers["detokenizer"].pop(detok, None)
-        self.detokenizer_losses += 1
-        moved = []
-        for request_id, d in list(self.detok_of.items()):
-            if d == detok:
-                del self.detok_of[request_id]
-                group = self.engine.groups.get(request_id)
-                if group is not None and request_id in self.gateway_of:
-                    moved.append(group)
-        kept: deque = deque()
-        for entry in self.delivered:
-            if entry[1] == detok:
-                self.gateway_of[entry[2].request_id] = entry[3]
-                moved.append(entry[2])
-            else:
-                kept.append(entry)
-        self.delivered = kept
-        for group in moved:
-            group.header_sent = False
-            for seq in group.seqs:
-                seq.num_emitted = 0
-            self.undelivered[group.request_id] = group
-        log.warning("detokenizer lost; its requests move to another", reason=reason,
-                    requests=len(moved))
-
-    def _deliver_held(self) -> None:
-        if self._any_detokenizer():
-            groups = list(self.undelivered.values())
-            self.undelivered.clear()
-            self._send_deltas(groups, -1)
-
-    def _any_detokenizer(self) -> bool:
-        return bool(self.peers["detokenizer"])
-
-    # -- outputs -------------------------------------------------------------------------------
-    def _send_deltas(self, groups, step_id: int) -> None:
-        by_detok: dict[bytes, list[RequestTokenDelta]] = {}
-        now = time.monotonic()
-        for group in groups:
-            request_id = group.request_id
-            gateway = self.gateway_of.get(request_id)
-            if gateway is None:
-                continue
-            if group.is_finished():
-                self._ended(group)
-            if group.error is not None:
-                self.routes.send(gateway, encode(ErrorResponse(request_id, 400, group.error)))
-                self.gateway_of.pop(request_id, None)
-                continue
-            detok = self._detokenizer_for(request_id)
-            if detok is None:
-                self.undelivered[request_id] = group  # sent once a detokenizer is back
-                continue
-            self.undelivered.pop(request_id, None)
-            by_detok.setdefault(detok, []).append(self._token_delta(group, gateway))
-            if group.is_finished():
-                self.gateway_of.pop(request_id, None)
-                self.detok_of.pop(request_id, None)
-                self.delivered.append((now, detok, group, gateway))
-        for detok, deltas in by_detok.items():
-            try:
-                self.detok.send_multipart([detok, encode(TokenDeltas(step_id, deltas))])
-            except zmq.ZMQError as e:
-                self._detokenizer_lost(detok, f"unreachable: {e}")
-
-    def _token_delta(self, group, gateway: str) -> RequestTokenDelta:
-        first = not group.header_sent
-        params = group.sampling_params
-        seqs = []
-        for seq in group.seqs:
-            end = seq.num_known_tokens
-            start = seq.prompt_len + seq.num_emitted
-            new = seq.token_ids[start:end]
-            if not new and not seq.is_finished():
-                continue
-            delta = SequenceTokenDelta(seq.sample_index, new, num_output_tokens=end - seq.prompt_len,
-                                       finish_reason=seq.status.finish_reason,
-                                       stop_reason=seq.stop_reason)
-            if params.logprobs is not None:
-                lps = seq.output_logprobs[seq.num_emitted:seq.num_emitted + len(new)]
-                delta.logprobs = [d[t] for d, t in zip(lps, new)]
-                delta.top_token_ids = [list(d) for d in lps]
-                delta.top_logprobs = [list(d.values()) for d in lps]
-            seq.num_emitted += len(new)
-            seqs.append(delta)
-        group.header_sent = True
-        if not first:
-            return RequestTokenDelta(group.request_id, gateway, group.prompt_len, seqs)
-        return RequestTokenDelta(
-            group.request_id, gateway, group.prompt_len, seqs, sampling_params=params,
-            prompt_tail_token_ids=group.prompt_token_ids[-_DETOK_CONTEXT:],
-            prompt=_prompt_delta(group), queue_time_s=group.metrics.time_in_queue,
-            num_cached_tokens=group.num_cached_tokens)
-
-    def _detokenizer_for(self, request_id: str) -> bytes | None:
-        detok = self.detok_of.get(request_id)
-        if detok is not None:
-            return detok
-        # Prefer those that beat recently; a slow one (a loaded machine) is still better than
-        # none. A dead one is dropped when a send to it fails (ROUTER_MANDATORY).
-        now = time.monotonic()
-        known = self.peers["detokenizer"]
-        live = sorted(k for k, t in known.items() if now - t < self.stack.liveness_timeout_s)
-        candidates = live or sorted(known)
-        if not candidates:
-            return None
-        detok = candidates[zlib.crc32(request_id.encode()) % len(candidates)]
-        self.detok_of[request_id] = detok
-        return detok
-
     def close(self) -> None:
         log.info("engine stopping")
         self.control.close()
@@ -591,17 +373,3 @@ class EngineService:
         self.ctx.destroy(linger=0)
         unlink_ipc(self.stack.request_input, self.stack.tokenizer_input, self.stack.engine_input,
                    self.stack.worker_addr, self.stack.detokenizer_addr)
-
-
-def _prompt_delta(group) -> PromptDelta | None:
-    """The prompt's token ids and logprobs for a request's header, when it asked for them."""
-    if not group.return_prompt_token_ids and group.prompt_logprobs is None:
-        return None
-    prompt = group.prompt_token_ids
-    delta = PromptDelta(list(prompt))
-    for pos, entry in enumerate(group.prompt_logprobs or []):
-        if entry is not None:  # position 0 has none
-            delta.logprobs.append(entry[prompt[pos]])
-            delta.top_token_ids.append(list(entry))
-            delta.top_logprobs.append(list(entry.values()))
-    return delta
