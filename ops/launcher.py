@@ -16,144 +16,28 @@ worker services K times, one engine and its `tensor_parallel_size` workers per r
 (`PAGODA_REPLICA`), with each replica's own addresses; the tokenizers, detokenizers and gateway
 serve them all. A compose file that lists its replicas itself (services that set
 PAGODA_REPLICA, as docker-compose.dp2.yml does) gets each of them started once.
+
+Which processes, with which arguments and environment: ops/launch_plan.py. Starting and stopping
+one process, and LaunchError: ops/service_process.py. This module runs the stack: start, wait
+until ready, supervise, stop.
 """
-import ctypes
 import os
 import shutil
 import signal
 import stat
 import subprocess
-import sys
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field, fields
 
-from shared.config import EngineArgs
 from shared.curve import CurveKeys
 from shared.logging import get_logger
-from shared.placement import parse_cpu_list, rank_cpus
 from shared.sockets import free_tcp_ports, probe_health
-from shared.stack_config import StackConfig, default_run_dir
-from ops.compose import ServiceSpec, default_compose_file, load_services
+from shared.stack_config import default_run_dir
+from ops.compose import default_compose_file, load_services
+from ops.launch_plan import local_stack_config, plan_processes, replica_count, use_tcp_ports
+from ops.service_process import LaunchError, ServiceProcess, signal_group, terminate
 
 log = get_logger("launcher")
-
-# StackConfig fields that name sockets or hosts of one deployment; the launcher sets its own.
-_LOCAL_FIELDS = ("run_dir", "request_input", "tokenizer_input", "engine_input", "worker_addr",
-                 "detokenizer_addr", "control_addr", "engine_control", "return_host", "replica",
-                 "dist_init_addr")
-_LOCAL_ENV = {"PAGODA_" + name.upper() for name in _LOCAL_FIELDS}
-# What the launcher's own StackConfig decides for every process (its sockets, and --curve-keys-dir);
-# its other fields come from this environment only, so the compose file's values (from `.env`,
-# say) win over them.
-_LAUNCHER_ENV = _LOCAL_ENV | {"PAGODA_CURVE_KEYS_DIR"}
-
-_PR_SET_PDEATHSIG = 1
-try:
-    _libc = ctypes.CDLL(None, use_errno=True)
-    _prctl = _libc.prctl
-except (OSError, AttributeError):  # not Linux
-    _prctl = None
-
-
-def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGTERM it when the launcher dies, even by SIGKILL."""
-    if _prctl is not None:
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-class LaunchError(RuntimeError):
-    """A service failed to start or kept failing; the message names it and quotes its log."""
-
-    def __init__(self, service: str, reason: str, log_tail: str = ""):
-        message = f"{service}: {reason}"
-        if log_tail:
-            message += f"\n--- last lines of its log ---\n{log_tail}"
-        super().__init__(message)
-        self.service = service
-        self.reason = reason
-        self.log_tail = log_tail
-
-
-@dataclass
-class ServiceProcess:
-    """One process of the stack: how to start it, and the running Popen."""
-    service: str  # compose service name
-    index: int  # among the service's processes (an engine's: its replica)
-    argv: list[str]
-    env: dict[str, str]
-    log_path: str
-    control_addr: str
-    popen: subprocess.Popen | None = None
-    restarts: deque = field(default_factory=deque)  # monotonic times of automatic restarts
-    healthy: bool = False
-    last_answer: float = 0.0  # monotonic time of its last probe answer (or of its start)
-    replica: int = 0  # the engine replica of an engine or worker
-
-    @property
-    def name(self) -> str:
-        return f"{self.service}-{self.index}"
-
-    def log_tail(self, lines: int = 25) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - 64 * 1024))
-                text = f.read().decode(errors="replace")
-        except OSError:
-            return ""
-        # Progress bars redraw with \r: keep what a terminal would show.
-        shown = [line.rsplit("\r", 1)[-1] for line in text.split("\n")]
-        return "\n".join([line for line in shown if line.strip()][-lines:])
-
-
-def local_stack_config(run_dir: str) -> StackConfig:
-    """The default ipc layout in `run_dir`, whatever PAGODA_* addresses this environment holds
-    (the same file names a bare `StackConfig()` uses, so default clients find the stack)."""
-    return StackConfig.ignoring_env(_LOCAL_FIELDS, run_dir=run_dir)
-
-
-def use_tcp_ports(stack: StackConfig, host: str) -> None:
-    """Put the addresses the engine binds on free tcp ports of `host` (clients then return
-    over tcp too)."""
-    names = ("request_input", "tokenizer_input", "engine_input", "worker_addr",
-             "detokenizer_addr", "engine_control")
-    ports = iter(free_tcp_ports(host, len(names) * stack.num_replicas))
-    for name in names:
-        stack.set_replica_addresses(name, [f"tcp://{host}:{next(ports)}"
-                                           for _ in range(stack.num_replicas)])
-    stack.return_host = host
-
-
-def engine_arg_flags(engine_args: dict) -> list[tuple[str, list[str]]]:
-    """EngineArgs values -> (flag, tokens) pairs; None values are left to each service's default."""
-    known = {f.name for f in fields(EngineArgs)}
-    out = []
-    for name, value in engine_args.items():
-        if name not in known:
-            raise ValueError(f"unknown engine argument {name!r}")
-        flag = "--" + name.replace("_", "-")
-        if value is None:
-            continue
-        if isinstance(value, bool):
-            out.append((flag, [flag if value else "--no-" + flag[2:]]))
-        else:
-            out.append((flag, [flag, str(value)]))
-    return out
-
-
-def accepted_flags(command: str) -> set[str]:
-    """The option strings `pagoda <command>` accepts, from its own argument parser."""
-    import argparse
-    import importlib
-
-    from pagoda.cli import COMMANDS
-    if command not in COMMANDS:
-        raise LaunchError(command, f"pagoda has no `{command}` command")
-    parser = argparse.ArgumentParser(add_help=False)
-    importlib.import_module(COMMANDS[command][0]).add_arguments(parser)
-    return {s for action in parser._actions for s in action.option_strings}
 
 
 class LocalStack:
@@ -195,7 +79,7 @@ class LocalStack:
         self.engine_args = dict(engine_args or {})
         self.compose_vars = dict(compose_vars or {})
         self.specs = load_services(files, {**os.environ, **self.compose_vars})
-        self.replicas = _replica_count(self.specs, self.engine_args.get("data_parallel_size"))
+        self.replicas = replica_count(self.specs, self.engine_args.get("data_parallel_size"))
         # Per replica: an engine and its workers.
         self.counts = {"tokenizer": tokenizers, "detokenizer": detokenizers, "engine": 1,
                        "worker": int(self.engine_args.get("tensor_parallel_size") or 1),
@@ -248,7 +132,7 @@ class LocalStack:
             self._prepare_run_dir()
             self._plan()
             for m in self.members:
-                self._spawn(m)
+                m.spawn()
             if self.verbose:
                 self._echo_thread = threading.Thread(target=self._echo_logs, daemon=True,
                                                      name="log-echo")
@@ -316,7 +200,7 @@ class LocalStack:
                     m.restarts.append(now)
                     log.warning("process exited; restarting", process=m.name, code=code,
                                 log_file=m.log_path)
-                    self._spawn(m)
+                    m.spawn()
                     m.healthy = False
                     continue
                 health = probe_health(m.control_addr, timeout_s=1.0, curve=self.curve)
@@ -334,7 +218,7 @@ class LocalStack:
                     log.error("process hung; killing it", process=m.name,
                               status=health.status if health else "no answer",
                               since_s=round(now - m.last_answer, 1))
-                    _signal_group(m.popen, signal.SIGKILL)
+                    signal_group(m.popen, signal.SIGKILL)
                     m.popen.wait()
 
     def kill(self, service: str, index: int = 0, sig: int = signal.SIGKILL) -> subprocess.Popen:
@@ -349,9 +233,9 @@ class LocalStack:
     def restart(self, service: str, index: int = 0) -> subprocess.Popen:
         """Stop one process (if it runs) and start it again; `wait_ready` waits for it."""
         m = self._member(service, index)
-        self._terminate([m])
+        terminate([m], self.stop_grace_s)
         m.healthy = False
-        return self._spawn(m)
+        return m.spawn()
 
     def stop(self) -> None:
         """SIGTERM every process, SIGKILL what is left after the grace period, remove the
@@ -359,7 +243,7 @@ class LocalStack:
         if self._stopped:
             return
         self._stopped = True
-        self._terminate(self.members)
+        terminate(self.members, self.stop_grace_s)
         self._echo_stop.set()
         if self._echo_thread is not None:
             self._echo_thread.join(timeout=2)
@@ -375,73 +259,7 @@ class LocalStack:
     # -- internals -----------------------------------------------------------------------------
     def _plan(self) -> None:
         """Turn each compose service into its processes' command lines and environments."""
-        specs = self.specs
-        for needed in ("engine", "worker", "tokenizer", "detokenizer"):
-            if not any(s.command == needed for s in specs.values()):
-                raise LaunchError(needed, f"no service runs `pagoda {needed}` in {self.compose_file}")
-        if self.gateway and not any(s.command == "gateway" for s in specs.values()):
-            raise LaunchError("gateway", f"no service runs `pagoda gateway` in {self.compose_file}")
-        for spec in specs.values():
-            count = self.counts.get(spec.command, 1)
-            if count == 0:
-                continue
-            flags = accepted_flags(spec.command)
-            if spec.command not in _PER_REPLICA:
-                replicas = [0]
-            elif "PAGODA_REPLICA" in spec.environment:  # the file lists its replicas
-                replicas = [int(spec.environment["PAGODA_REPLICA"])]
-            else:
-                replicas = list(range(self.replicas))
-            for replica in replicas:
-                for rank in range(count):
-                    index = (replica - replicas[0]) * count + rank
-                    self.members.append(self._member_for(spec, index, flags, replica, rank))
-
-    def _member_for(self, spec: ServiceSpec, index: int, flags: set[str], replica: int = 0,
-                    rank: int = 0) -> ServiceProcess:
-        args = list(spec.args)
-        if "--instance" in flags:
-            args += ["--instance", str(index)]
-        elif "--rank" in flags:
-            args += ["--rank", str(rank)]
-        else:
-            assert rank == 0, f"`pagoda {spec.command}` has no --instance or --rank flag"
-        # Later flags win in argparse: the launch's own values override the compose file's.
-        for flag, tokens in engine_arg_flags(self.engine_args):
-            if flag in flags or tokens[0] in flags:
-                args += tokens
-        if spec.command == "gateway":
-            args += ["--host", self.host, "--port", str(self.port)]
-            if self.api_key:
-                args += ["--api-key", self.api_key]
-            if self.served_model_names:
-                args += ["--served-model-name", *self.served_model_names]
-        env = {k: v for k, v in os.environ.items() if k not in _LOCAL_ENV}
-        env.update({k: v for k, v in spec.environment.items() if k not in _LOCAL_ENV})
-        env.update({k: v for k, v in self.stack_config.to_env().items()
-                    if k in _LAUNCHER_ENV or k not in env})
-        env.update(PYTHONUNBUFFERED="1", **self.extra_env)
-        env["PAGODA_REPLICA"] = str(replica)
-        ranks = self.counts["worker"]
-        if spec.command == "worker" and self.replicas * ranks > 1:
-            # Each worker process its own share of the workers' CPUs (those given, else this
-            # host's): first by replica, then by rank. Workers whose OpenMP threads share cores
-            # wait at every barrier for a preempted peer, and a tensor-parallel group meets at
-            # every layer's sum.
-            cpus = parse_cpu_list(env.get("PAGODA_CPUS", "").strip()
-                                  or ",".join(map(str, sorted(os.sched_getaffinity(0)))))
-            share = rank_cpus(rank_cpus(cpus, replica, self.replicas), rank, ranks)
-            env["PAGODA_CPUS"] = ",".join(map(str, share))
-        if spec.command == "worker" and ranks > 1:
-            env["PAGODA_DIST_INIT_ADDR"] = self.dist_init_addrs[replica]
-        instance = rank if spec.command in _PER_REPLICA else index
-        return ServiceProcess(
-            service=spec.name, index=index,
-            argv=[sys.executable, "-m", "pagoda", spec.command, *args], env=env,
-            log_path=os.path.join(self.log_dir, f"{spec.name}-{index}.log"),
-            control_addr=self.stack_config.for_replica(replica).control_for(spec.command,
-                                                                            instance),
-            replica=replica)
+        self.members.extend(plan_processes(self))
 
     def _member(self, service: str, index: int) -> ServiceProcess:
         for m in self.members:
@@ -458,32 +276,6 @@ class LocalStack:
         self._owns_run_dir = True
         os.makedirs(self.log_dir, exist_ok=True)
         self._remove_sockets()  # stale ones of a run that was killed
-
-    def _spawn(self, m: ServiceProcess) -> subprocess.Popen:
-        with open(m.log_path, "ab") as log_file:
-            # Own session: a terminal's Ctrl-C reaches the launcher only, which stops
-            # everything in order; pdeathsig covers a launcher that is killed outright.
-            m.popen = subprocess.Popen(m.argv, env=m.env, stdin=subprocess.DEVNULL,
-                                       stdout=log_file, stderr=subprocess.STDOUT,
-                                       start_new_session=True, preexec_fn=_die_with_parent)
-        m.last_answer = time.monotonic()  # a start is not a hang
-        log.debug("process started", process=m.name, pid=m.popen.pid)
-        return m.popen
-
-    def _terminate(self, members: list[ServiceProcess]) -> None:
-        alive = [m for m in members if m.popen is not None and m.popen.poll() is None]
-        for m in alive:
-            _signal_group(m.popen, signal.SIGTERM)
-        deadline = time.monotonic() + self.stop_grace_s
-        for m in alive:
-            try:
-                m.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("process ignored SIGTERM; killing it", process=m.name)
-                _signal_group(m.popen, signal.SIGKILL)
-                m.popen.wait()
-        for m in alive:
-            _signal_group(m.popen, signal.SIGKILL)  # whatever the process itself started
 
     def _remove_sockets(self) -> None:
         if not os.path.isdir(self.run_dir):
@@ -539,30 +331,3 @@ class LocalStack:
                     if text.strip():
                         print(f"[{m.name}] {text}", flush=True)
 
-
-_PER_REPLICA = ("engine", "worker")  # the services each engine replica has its own of
-
-
-def _replica_count(specs: dict[str, ServiceSpec], data_parallel_size: int | None) -> int:
-    """How many engine replicas: those the compose file lists (services that set
-    PAGODA_REPLICA), else `data_parallel_size`; both given, they must agree."""
-    listed = {int(s.environment["PAGODA_REPLICA"]) for s in specs.values()
-              if s.command == "engine" and "PAGODA_REPLICA" in s.environment}
-    if data_parallel_size is not None and data_parallel_size < 1:
-        raise ValueError(f"data_parallel_size: must be at least 1, got {data_parallel_size}")
-    if not listed:
-        return data_parallel_size or 1
-    if listed != set(range(len(listed))):
-        raise ValueError(f"the compose file's engine replicas are {sorted(listed)}; "
-                         f"they must be 0..{len(listed) - 1}")
-    if data_parallel_size not in (None, len(listed)):
-        raise ValueError(f"data_parallel_size {data_parallel_size}, but the compose file "
-                         f"lists {len(listed)} engine replicas")
-    return len(listed)
-
-
-def _signal_group(popen: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(popen.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass

@@ -24,8 +24,8 @@ import openai
 import pytest
 import zmq
 
-from ops.launcher import (LaunchError, ServiceProcess, _die_with_parent, _signal_group,
-                          engine_arg_flags)
+from ops.launch_plan import engine_arg_flags
+from ops.service_process import LaunchError, ServiceProcess, die_with_parent, signal_group
 from proto.codec import encode
 from proto.requests import GenerateRequest
 from shared.curve import create_keys, load_keys
@@ -137,7 +137,7 @@ class HostProcesses:
             with open(m.log_path, "ab") as log_file:
                 m.popen = subprocess.Popen(m.argv, env=m.env, stdin=subprocess.DEVNULL,
                                            stdout=log_file, stderr=subprocess.STDOUT,
-                                           start_new_session=True, preexec_fn=_die_with_parent)
+                                           start_new_session=True, preexec_fn=die_with_parent)
         deadline = time.monotonic() + timeout_s
         while not self._ready():
             exited = [m.name for m in self.members if m.popen.poll() is not None]
@@ -162,12 +162,12 @@ class HostProcesses:
     def stop(self) -> None:
         running = [m for m in self.members if m.popen is not None and m.popen.poll() is None]
         for m in running:
-            _signal_group(m.popen, signal.SIGTERM)
+            signal_group(m.popen, signal.SIGTERM)
         for m in running:
             try:
                 m.popen.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                _signal_group(m.popen, signal.SIGKILL)
+                signal_group(m.popen, signal.SIGKILL)
                 m.popen.wait()
 
 
