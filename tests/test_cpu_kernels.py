@@ -46,16 +46,18 @@ def bf16_step(x: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(exponent, dtype=torch.float64), exponent - 8)
 
 
-def summation_slack(x: torch.Tensor, weight: torch.Tensor, gate_up: bool = False) -> torch.Tensor:
-    """How far two float32 accumulations of x @ weight.T in different orders can be apart,
-    elementwise (each within k * 2^-24 * sum |x||w| of the exact sum); with gate_up, carried
-    through SiLU(gate) * up (SiLU's slope stays within 1.1)."""
+def summation_slack(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    gate_up: bool = False) -> torch.Tensor:
+    """How far two float32 accumulations of x @ weight.T (+ bias) in different orders can be
+    apart, elementwise (each within (k + 1) * 2^-24 * (sum |x||w| + |b|) of the exact sum); with
+    gate_up, carried through SiLU(gate) * up (SiLU's slope stays within 1.1)."""
     k = x.shape[-1]
     terms = x.double().abs() @ weight.double().abs().T
-    slack = 2 * k * 2.0 ** -24 * terms
+    bias = torch.zeros(weight.shape[0], dtype=torch.float64) if bias is None else bias.double()
+    slack = 2 * (k + 1) * 2.0 ** -24 * (terms + bias.abs())
     if not gate_up:
         return slack
-    product = x.double() @ weight.double().T
+    product = F.linear(x.double(), weight.double(), bias)
     gate, up = product.chunk(2, dim=-1)
     gate_slack, up_slack = slack.chunk(2, dim=-1)
     return 1.1 * gate_slack * (up.abs() + up_slack) + F.silu(gate).abs() * up_slack
@@ -471,8 +473,10 @@ def test_bf16_panel_linear_equals_f_linear(bias, gate_up, bf16_matmul_path):
             # near zero, the orders may differ by more steps of that small result, but never by
             # more than two fp32 sums of these terms can (summation_slack).
             steps = 2 if gate_up else 1
-            slack = summation_slack(x, weight, gate_up) + steps * bf16_step(expected)
-            far = (bf16_ulps(out, expected) > steps) & ((out - expected).double().abs() > slack)
+            step = torch.maximum(bf16_step(out), bf16_step(expected))
+            slack = summation_slack(x, weight, b, gate_up) + steps * step
+            gap = (out.double() - expected.double()).abs()
+            far = (bf16_ulps(out, expected) > steps) & (gap > slack)
             assert not far.any(), (rows, out[far], expected[far])
             assert (out == expected).float().mean() > 0.99
 

@@ -213,10 +213,11 @@ static int matmul_amx(const uint16_t *x, int64_t x_stride, int64_t m, const uint
             const int64_t chunk_end = chunk + ROW_CHUNK < m ? chunk + ROW_CHUNK : m;
             FOR_MY_PANELS(p, panels) {
                 const uint16_t *panel = packed + p * steps * 2 * TILE_ELEMS;
-                /* The next panel (32 lines a K step) is fetched into L2 a few lines a step,
-                 * shared out over the first passes, as matmul_f32.c paces it. Before, the
-                 * second pass fetched all of it, and with one pass (32 rows or fewer) nothing
-                 * was fetched ahead. Paced, the default model's decode-step matmuls (a C loop
+                /* The next panel (32 lines a K step) is fetched into L2 over the first passes,
+                 * spread evenly over each pass's K steps: a lone pass fetches all of it (32
+                 * lines a step; unlike matmul_f32.c, not capped at half), two passes 16 lines
+                 * a step each, four 8. Before, the second pass fetched all of it, and with one
+                 * pass (32 rows or fewer) nothing was fetched ahead. Paced, the default model's decode-step matmuls (a C loop
                  * over all 30 layers' weights and the LM head, from memory) took 12% less time
                  * at 8-32 rows and 13-28% less at 96-128, the same at 64. */
                 const int64_t passes = (chunk_end - chunk + AMX_ROWS - 1) / AMX_ROWS;
@@ -227,7 +228,7 @@ static int matmul_amx(const uint16_t *x, int64_t x_stride, int64_t m, const uint
                 for (int64_t r0 = chunk, pass = 0; r0 < chunk_end; r0 += AMX_ROWS, pass++) {
                     const uint16_t *a = r0 < whole ? x + r0 * x_stride : tail;
                     const int64_t a_stride = (r0 < whole ? x_stride : k) * 2;
-                    const int64_t l0 = lines * pass / paced;
+                    const int64_t l0 = pass < paced ? lines * pass / paced : 0;
                     const int64_t fetch_lines = next && pass < paced
                                                     ? lines * (pass + 1) / paced - l0 : 0;
                     const char *fetch = next ? next + l0 * 64 : NULL;

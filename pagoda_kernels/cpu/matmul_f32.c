@@ -86,6 +86,7 @@ static inline void write_row(__m512 acc0, __m512 acc1, const float *bias, int64_
  * prompts run 4-7% faster. The first block of a chunk also streams its own panel ahead into L1,
  * for a panel nobody fetched.
  * Expanded for 1..12 rows so the accumulators stay in registers. */
+/* One K step `s` of block_R: uses the block's x, x_stride, panel and accumulators. */
 #define BLOCK_STEP(R)                                                                              \
     do {                                                                                           \
         const float *b = panel + s * PANEL;                                                        \
@@ -163,12 +164,12 @@ int matmul_f32(const float *x, int64_t x_stride, int64_t m, const float *packed,
              * at batch 8-12 than fetching it all (the first block's own stream takes the rest). */
             const int64_t nb = (chunk_end - chunk + ROWS - 1) / ROWS, lines = 2 * k;
             const int64_t paced = nb < PACE_BLOCKS ? nb : PACE_BLOCKS;
-            for (int64_t b = 0, r0 = chunk; r0 < chunk_end; r0 += ROWS, b++) {
+            for (int64_t blk = 0, r0 = chunk; r0 < chunk_end; r0 += ROWS, blk++) {
                 const int rows = (int)(chunk_end - r0 < ROWS ? chunk_end - r0 : ROWS);
-                const int64_t l0 = b < paced ? lines * b / paced : 0;
-                const int64_t l1 = b < paced ? lines * (b + 1) / paced : 0;
+                const int64_t l0 = blk < paced ? lines * blk / paced : 0;
+                const int64_t l1 = blk < paced ? lines * (blk + 1) / paced : 0;
                 const int64_t fetch_lines = !next ? 0 : l1 - l0 < k ? l1 - l0 : k;
-                blocks[rows](x + r0 * x_stride, x_stride, panel, k, b == 0,
+                blocks[rows](x + r0 * x_stride, x_stride, panel, k, blk == 0,
                              next ? next + l0 * 16 : NULL, fetch_lines, bias, p, n, gate_up,
                              y + r0 * y_cols, y_cols);
             }
