@@ -179,7 +179,7 @@ static void matmul_dot(const uint16_t *x, int64_t x_stride, int64_t m, const uin
 #include "amx.h"
 
 #define AMX_ROWS 32   /* rows per pass over a panel: two 16-row A tiles */
-#define PACE_PASSES 4 /* the next panel is fetched over a chunk's first 4 passes */
+#define PACE_PASSES 4 /* with 3+ passes, the next panel is fetched over the first 4 */
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -213,13 +213,13 @@ static int matmul_amx(const uint16_t *x, int64_t x_stride, int64_t m, const uint
             const int64_t chunk_end = chunk + ROW_CHUNK < m ? chunk + ROW_CHUNK : m;
             FOR_MY_PANELS(p, panels) {
                 const uint16_t *panel = packed + p * steps * 2 * TILE_ELEMS;
-                /* The next panel (32 lines a K step) is fetched into L2 over the first passes,
-                 * spread evenly over each pass's K steps: a lone pass fetches all of it (32
-                 * lines a step; unlike matmul_f32.c, not capped at half), two passes 16 lines
-                 * a step each, four 8. Before, the second pass fetched all of it, and with one
-                 * pass (32 rows or fewer) nothing was fetched ahead. Paced, the default model's decode-step matmuls (a C loop
-                 * over all 30 layers' weights and the LM head, from memory) took 12% less time
-                 * at 8-32 rows and 13-28% less at 96-128, the same at 64. */
+                /* The next panel (32 lines a K step) is fetched into L2 during one pass when
+                 * a chunk has one or two (the last of them: a lone pass used to fetch nothing
+                 * ahead), and spread over the first four passes when it has more (before, the
+                 * second pass fetched all of it). `pagoda bench kernels --dtype bfloat16`,
+                 * matmuls, three alternated rounds: batch 16 15.2 -> 14.3 ms, 128 29.5 -> 27.0;
+                 * batch 64 (two passes) runs as before, and paced over both passes it was
+                 * 5% slower there. */
                 const int64_t passes = (chunk_end - chunk + AMX_ROWS - 1) / AMX_ROWS;
                 const int64_t paced = passes < PACE_PASSES ? passes : PACE_PASSES;
                 const int64_t lines = steps * 32;
@@ -228,9 +228,14 @@ static int matmul_amx(const uint16_t *x, int64_t x_stride, int64_t m, const uint
                 for (int64_t r0 = chunk, pass = 0; r0 < chunk_end; r0 += AMX_ROWS, pass++) {
                     const uint16_t *a = r0 < whole ? x + r0 * x_stride : tail;
                     const int64_t a_stride = (r0 < whole ? x_stride : k) * 2;
-                    const int64_t l0 = pass < paced ? lines * pass / paced : 0;
-                    const int64_t fetch_lines = next && pass < paced
-                                                    ? lines * (pass + 1) / paced - l0 : 0;
+                    /* This pass fetches lines [l0, l0 + fetch_lines) of the next panel. */
+                    int64_t l0 = 0, fetch_lines = 0;
+                    if (next && passes <= 2 && pass == passes - 1) {
+                        fetch_lines = lines;
+                    } else if (next && passes > 2 && pass < paced) {
+                        l0 = lines * pass / paced;
+                        fetch_lines = lines * (pass + 1) / paced - l0;
+                    }
                     const char *fetch = next ? next + l0 * 64 : NULL;
                     int64_t due = 0;
                     _tile_zero(4);
