@@ -1,7 +1,7 @@
-"""ZmqExecutor's watchdogs, over real ZeroMQ sockets. The worker here is a thread speaking the
-worker's side of the protocol (register, heartbeat, answer setup calls) that never answers a
-step: a worker stuck inside a step while its heartbeat thread lives, which a real worker
-process cannot be made to do on purpose."""
+"""ZmqExecutor's watchdogs and worker membership, over real ZeroMQ sockets. The worker here is a
+thread speaking the worker's side of the protocol (register, heartbeat, answer setup calls) that
+never answers a step: a worker stuck inside a step while its heartbeat thread lives, which a real
+worker process cannot be made to do on purpose."""
 import tempfile
 import threading
 import time
@@ -22,9 +22,10 @@ LIVENESS_S = 2.0
 class StuckWorker(threading.Thread):
     """Registers for rank 0, beats every 0.2 s, answers setup calls, swallows steps."""
 
-    def __init__(self, addr: str):
+    def __init__(self, addr: str, instance: str = "stuck-worker"):
         super().__init__(daemon=True)
         self.addr = addr
+        self.instance = instance
         self.stop = threading.Event()
         self.steps = 0
 
@@ -32,8 +33,8 @@ class StuckWorker(threading.Thread):
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.connect(self.addr)
-        sock.send(encode(Register("worker", "stuck-worker", 0)))
-        beat = encode(Register("worker", "stuck-worker", 0, heartbeat=True))
+        sock.send(encode(Register("worker", self.instance, 0)))
+        beat = encode(Register("worker", self.instance, 0, heartbeat=True))
         while not self.stop.is_set():
             sock.send(beat)
             if sock.poll(200):
@@ -94,3 +95,44 @@ def test_no_step_in_flight_is_never_stuck(executor):
     executor.receive()
     executor.check_progress(0.5)  # nothing in flight: idle is not stuck
     executor.check_liveness()
+
+
+def test_a_new_worker_takes_a_silent_workers_rank_only_once_the_loss_is_raised(executor):
+    """A restarted worker may register after its predecessor's heartbeats have run out but
+    before the engine has checked them: it must not take the rank silently, or the engine
+    would set a fresh KV cache up under sequences that still hold blocks of the dead one."""
+    executor, old = executor
+    old.stop.set()
+    old.join(5)
+    executor.receive()  # its last heartbeats
+    time.sleep(LIVENESS_S + 0.3)  # the old worker is past its liveness, not yet declared lost
+    new = StuckWorker(executor.stack.worker_addr, "new-worker")
+    new.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not registered(executor, "new-worker") and time.monotonic() < deadline:
+            executor.receive()
+            time.sleep(0.05)
+        assert registered(executor, "new-worker"), "the new worker never registered"
+        assert executor.worker_instances() == ("stuck-worker",)
+        assert rank_candidate(executor) == "new-worker"
+        assert executor.ready  # nothing has changed hands: no new cache set up behind the engine
+        with pytest.raises(WorkerLost, match="no heartbeat"):
+            executor.check_liveness()
+        assert executor.drop_lost_workers() == [0]
+        assert executor.worker_instances() == ("new-worker",)
+        assert not executor.ready  # its KV cache is set up next
+        executor.initialize_cache(*executor.determine_num_available_blocks())
+        assert executor.ready
+    finally:
+        new.stop.set()
+        new.join(5)
+
+
+def registered(executor, instance: str) -> bool:
+    return instance in executor.worker_instances() or rank_candidate(executor) == instance
+
+
+def rank_candidate(executor):
+    identity = executor.candidates.get(0)
+    return executor.instance_of.get(identity) if identity is not None else None

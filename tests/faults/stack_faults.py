@@ -204,6 +204,8 @@ def faulted_run(stack, tag: str, fault, before=None
     meanwhile, and the (closed) client."""
     stack.wait_healthy()
     tokens_before = generation_tokens(stack)
+    engine = stack.stack._member("engine", 0)
+    engine_pid = engine.popen.pid
 
     async def main():
         client = new_client(stack)
@@ -213,7 +215,16 @@ def faulted_run(stack, tag: str, fault, before=None
             client.close()
     results, client = asyncio.run(main())
     stack.wait_healthy()
+    # The fault is another process's: the engine must ride it out, not restart.
+    assert engine.popen.pid == engine_pid, (
+        f"the engine exited during the {tag} fault; the end of its log:\n"
+        + log_tail(engine.log_path))
     return results, generation_tokens(stack) - tokens_before, client
+
+
+def log_tail(path, num_lines: int = 40) -> str:
+    with open(path, errors="replace") as f:
+        return "".join(f.readlines()[-num_lines:])
 
 
 def mid_stream(results: list[StreamResult], min_tokens: int = 4):

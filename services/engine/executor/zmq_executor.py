@@ -53,9 +53,9 @@ class ZmqExecutor(Executor):
         self.workers: dict[int, bytes] = {}  # rank -> routing identity
         self.instance_of: dict[bytes, str] = {}  # routing identity -> worker instance
         self.last_seen: dict[str, float] = {}  # worker instance -> last frame or heartbeat
-        # A registration for a rank whose worker still counts as alive: it takes the rank
-        # when that worker is declared lost (a restarted worker often registers before the
-        # engine has noticed that its predecessor died).
+        # A registration for a rank that a worker holds: it takes the rank when that worker is
+        # declared lost (a restarted worker often registers before the engine has noticed that
+        # its predecessor died).
         self.candidates: dict[int, bytes] = {}
         # Worker processes whose setup failed too often: their registrations are ignored, and
         # a rank waits for a new process.
@@ -126,9 +126,12 @@ class ZmqExecutor(Executor):
         if current == identity:
             return  # a worker repeats its registration while it has nothing to do
         self.instance_of[identity] = msg.instance_id
-        if current is not None and self._alive(current):
-            # A rank is taken until its worker stops beating: a stray or duplicate
-            # registration must not steal the steps of a live worker.
+        if current is not None:
+            # A rank changes hands only in drop_lost_workers, after a WorkerLost: a stray or
+            # duplicate registration must not steal the steps of a live worker, and a dead
+            # worker's steps in flight and KV cache must be given up (the engine recomputes
+            # its requests) before a new one starts from an empty cache. The dead one is
+            # noticed by check_liveness within the liveness timeout.
             if self.candidates.get(msg.rank) != identity:
                 log.warning("registration for a taken rank kept as a candidate", rank=msg.rank,
                             instance=msg.instance_id)
