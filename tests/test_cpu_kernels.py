@@ -405,10 +405,10 @@ needs_bf16_panels = pytest.mark.skipif(not cpu_kernels.bf16_matmul_available(),
                                        reason="this CPU has no AVX512-BF16")
 
 
-@pytest.fixture(params=["dot", "amx"])
+@pytest.fixture(params=["dot", "amx", "amx-stream"])
 def bf16_matmul_path(request):
-    """Each loop of the bf16 panel matmul in turn: vdpbf16ps, then AMX tiles (skipped where the
-    CPU lacks them)."""
+    """Each loop of the bf16 panel matmul in turn: vdpbf16ps, then AMX tiles, K-blocked from 512
+    rows and streaming at every size (skipped where the CPU lacks them)."""
     if request.param not in cpu_kernels.bf16_matmul_paths():
         pytest.skip(f"the bf16 panel matmul's {request.param} loop does not run on this CPU")
     cpu_kernels.set_bf16_matmul_path(request.param)
@@ -479,6 +479,35 @@ def test_bf16_panel_linear_equals_f_linear(bias, gate_up, bf16_matmul_path):
             far = (bf16_ulps(out, expected) > steps) & (gap > slack)
             assert not far.any(), (rows, out[far], expected[far])
             assert (out == expected).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("gate_up", [False, True])
+def test_amx_prompt_loop_gives_the_streaming_loops_results_bit_for_bit(gate_up):
+    """From 512 rows the AMX loop cuts K into blocks and keeps accumulators between them; each
+    output is summed in the same order as the streaming loop's, so the two agree exactly: over
+    several K blocks (K = 640: 20 steps, three blocks), a thread's panels in groups of four
+    and a group left over (672 columns: 21 panels), a tail of rows, x at a row stride, bias."""
+    if "amx" not in cpu_kernels.bf16_matmul_paths():
+        pytest.skip("this CPU or OS runs no AMX")
+    g = torch.Generator().manual_seed(11)
+    n, k = 672, 640
+    weight = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16)
+    packed = pack_weight(weight, gate_up=gate_up)
+    assert packed.kind == "bf16"
+    try:
+        for rows in (512, 600, 1100):
+            wide = torch.randn(rows, k + 32, generator=g).to(torch.bfloat16)
+            for x in (wide[:, :k].contiguous(), wide[:, 16:16 + k]):
+                cpu_kernels.set_bf16_matmul_path("amx-stream")
+                streamed = linear(x, weight, b, packed)
+                cpu_kernels.set_bf16_matmul_path("amx")
+                blocked = linear(x, weight, b, packed)
+                assert torch.equal(blocked, streamed), rows
+        assert bf16_ulps(blocked, F.linear(x, weight, b) if not gate_up
+                         else silu_and_mul(F.linear(x, weight, b))).float().mean() < 0.05
+    finally:
+        cpu_kernels.set_bf16_matmul_path("amx")
 
 
 @needs_bf16_panels

@@ -42,24 +42,29 @@ def f32_matmul_available() -> bool:
     return lib is not None and bool(lib.matmul_f32_available())
 
 
+_BF16_PATHS = ("amx", "dot", "amx-stream")  # in the order of set_matmul_bf16_loop's choices
+
+
 def bf16_matmul_paths() -> list[str]:
     """The loops of the bf16 panel matmul this machine runs: "dot" (vdpbf16ps) wherever the
-    matmul runs, "amx" where AMX is granted too."""
+    matmul runs; where AMX is granted too, "amx" (K-blocked from 512 rows) and "amx-stream"
+    (AMX's streaming loop at every batch size)."""
     lib = load()
     if lib is None or lib.matmul_bf16_path() == 0:
         return []
-    return ["dot"] + (["amx"] if lib.matmul_amx_available() else [])
+    return ["dot"] + (["amx", "amx-stream"] if lib.matmul_amx_available() else [])
 
 
 def set_bf16_matmul_path(path: str) -> None:
     """Run the bf16 panel matmul on `path` ("amx", the default, which is the dot loop where AMX
-    does not run; or "dot"), for checking and comparing the two on one machine; takes effect
-    at the next call."""
-    if path not in ("amx", "dot"):
-        raise ValueError(f"bf16 matmul path must be 'amx' or 'dot', got {path!r}")
+    does not run; "dot"; or "amx-stream"), for checking and comparing the loops on one
+    machine; takes effect at the next call."""
+    if path not in _BF16_PATHS:
+        raise ValueError(f"bf16 matmul path must be one of {', '.join(_BF16_PATHS)}; "
+                         f"got {path!r}")
     lib = load()
     if lib is not None:
-        lib.set_matmul_bf16_dot(int(path == "dot"))
+        lib.set_matmul_bf16_loop(_BF16_PATHS.index(path))
 
 
 # By weight dtype: the C prefix, and whether its panels may be packed and run here.
