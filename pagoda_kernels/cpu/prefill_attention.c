@@ -620,6 +620,30 @@ static inline __attribute__((always_inline)) void amx_pv2(const uint16_t *vb, in
     _tile_stored(3, pv + 16 * dim + (g + 1) * 16, dim * sizeof(float));
 }
 
+/* P V of one block added straight into the accumulators (rows `dim` floats apart) for column
+ * groups g, g + 1: when no row's running max moved, there is nothing to rescale. `tiles` row
+ * tiles, their probabilities in tiles 4 (and 5). */
+static inline __attribute__((always_inline)) void amx_pv_into(const uint16_t *vb, int g,
+                                                              float *acc, int dim, int tiles) {
+    const int stride = dim * (int)sizeof(float);
+    _tile_loadd(0, acc + g * 16, stride);
+    _tile_loadd(1, acc + (g + 1) * 16, stride);
+    _tile_loadd(6, vb + g * TILE_ELEMS, 64);
+    _tile_loadd(7, vb + (g + 1) * TILE_ELEMS, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_stored(0, acc + g * 16, stride);
+    _tile_stored(1, acc + (g + 1) * 16, stride);
+    if (tiles == 2) {
+        _tile_loadd(2, acc + 16 * dim + g * 16, stride);
+        _tile_loadd(3, acc + 16 * dim + (g + 1) * 16, stride);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+        _tile_stored(2, acc + 16 * dim + g * 16, stride);
+        _tile_stored(3, acc + 16 * dim + (g + 1) * 16, stride);
+    }
+}
+
 /* One work item: query rows [q0, q_end) (at most 32: two A tiles) of one head. Each key block
  * gives four independent score tiles (rows 0-15 / 16-31 x keys 0-15 / 16-31), so the tile unit
  * is never waiting on one accumulator. */
@@ -691,14 +715,18 @@ static void amx_item(const uint16_t *query, int64_t q_stride, const uint16_t *kp
             block_max[r] = _mm512_reduce_max_ps(_mm512_max_ps(s0[r], s1[r]));
         }
         /* The rescaling factors 16 rows at a time; a row that sees nothing here (-inf block
-         * max: past its causal end, or padding) keeps its state. */
+         * max: past its causal end, or padding) keeps its state. Once the running maxima have
+         * settled (often at the first key, which most rows weigh most), every factor is 1. */
+        int rescale = 0;
         for (int r0 = 0; r0 < 16 * tiles; r0 += 16) {
             const __m512 old = _mm512_load_ps(run_max + r0), bm = _mm512_load_ps(block_max + r0);
             const __mmask16 seen = _mm512_cmp_ps_mask(bm, neg_inf, _CMP_NEQ_OQ);
             const __m512 new_max = _mm512_mask_max_ps(old, seen, old, bm);
             /* the first block's factor: exp(-inf) = 0 */
             const __m512 c = exp16(_mm512_mul_ps(_mm512_sub_ps(old, new_max), vscale));
-            _mm512_store_ps(corr + r0, _mm512_mask_blend_ps(seen, _mm512_set1_ps(1.0f), c));
+            const __m512 factor = _mm512_mask_blend_ps(seen, _mm512_set1_ps(1.0f), c);
+            rescale |= _mm512_cmp_ps_mask(factor, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ) != 0;
+            _mm512_store_ps(corr + r0, factor);
             _mm512_store_ps(run_max + r0, new_max);
         }
         for (int r = 0; r < 16 * tiles; r++) {
@@ -715,8 +743,12 @@ static void amx_item(const uint16_t *query, int64_t q_stride, const uint16_t *kp
         }
         /* p's rows 16-31 are written only when the item has them (two row tiles) */
         _tile_loadd(4, p[0], AMX_KEYS * sizeof(uint16_t));
+        if (tiles == 2) _tile_loadd(5, p[16], AMX_KEYS * sizeof(uint16_t));
+        if (!rescale) {
+            for (int g = 0; g < groups; g += 2) amx_pv_into(vb, g, acc, dim, tiles);
+            continue;
+        }
         if (tiles == 2) {
-            _tile_loadd(5, p[16], AMX_KEYS * sizeof(uint16_t));
             for (int g = 0; g < groups; g += 2) amx_pv2(vb, g, pv, dim);
         } else {
             for (int g = 0; g < groups; g += 2) amx_pv1(vb, g, pv, dim);
