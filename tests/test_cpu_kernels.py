@@ -486,7 +486,8 @@ def test_amx_prompt_loop_gives_the_streaming_loops_results_bit_for_bit(gate_up):
     """From 512 rows the AMX loop cuts K into blocks and keeps accumulators between them; each
     output is summed in the same order as the streaming loop's, so the two agree exactly: over
     several K blocks (K = 640: 20 steps, three blocks), a thread's panels in groups of four
-    and a group left over (672 columns: 21 panels), a tail of rows, x at a row stride, bias."""
+    and a group left over (672 columns: 21 panels), a tail of rows, x at a row stride, bias;
+    and a K long enough (4,096) that a thread's panels go in several spans of four."""
     if "amx" not in cpu_kernels.bf16_matmul_paths():
         pytest.skip("this CPU or OS runs no AMX")
     g = torch.Generator().manual_seed(11)
@@ -495,15 +496,21 @@ def test_amx_prompt_loop_gives_the_streaming_loops_results_bit_for_bit(gate_up):
     b = torch.randn(n, generator=g).to(torch.bfloat16)
     packed = pack_weight(weight, gate_up=gate_up)
     assert packed.kind == "bf16"
+    long_k = 4096
+    long_weight = (torch.randn(n, long_k, generator=g) * 0.02).to(torch.bfloat16)
+    long_packed = pack_weight(long_weight, gate_up=gate_up)
     try:
-        for rows in (512, 600, 1100):
-            wide = torch.randn(rows, k + 32, generator=g).to(torch.bfloat16)
-            for x in (wide[:, :k].contiguous(), wide[:, 16:16 + k]):
+        for rows, w, p in ((512, weight, packed), (600, weight, packed), (1100, weight, packed),
+                           (545, long_weight, long_packed)):
+            wide = torch.randn(rows, w.shape[1] + 32, generator=g).to(torch.bfloat16)
+            for x in (wide[:, :w.shape[1]].contiguous(), wide[:, 16:16 + w.shape[1]]):
                 cpu_kernels.set_bf16_matmul_path("amx-stream")
-                streamed = linear(x, weight, b, packed)
+                streamed = linear(x, w, b, p)
                 cpu_kernels.set_bf16_matmul_path("amx")
-                blocked = linear(x, weight, b, packed)
-                assert torch.equal(blocked, streamed), rows
+                blocked = linear(x, w, b, p)
+                assert torch.equal(blocked, streamed), (rows, w.shape)
+        x = torch.randn(600, k, generator=g).to(torch.bfloat16)
+        blocked = linear(x, weight, b, packed)
         assert bf16_ulps(blocked, F.linear(x, weight, b) if not gate_up
                          else silu_and_mul(F.linear(x, weight, b))).float().mean() < 0.05
     finally:

@@ -129,6 +129,41 @@ def test_a_new_worker_takes_a_silent_workers_rank_only_once_the_loss_is_raised(e
         new.join(5)
 
 
+def test_before_its_cache_is_set_up_a_silent_workers_rank_goes_to_a_new_worker_at_once():
+    """With no KV cache set up there is nothing to recompute, and in a tensor-parallel group
+    with a rank still empty nothing checks liveness: there a registration takes a silent
+    worker's rank at once."""
+    stack = StackConfig(run_dir=tempfile.mkdtemp(prefix="pexec-", dir="/tmp"),
+                        liveness_timeout_s=LIVENESS_S)
+    config = EngineArgs(kv_cache_space_gib=0.01).create_engine_config()
+    ctx = zmq.Context()
+    old = StuckWorker(stack.worker_addr)
+    old.start()
+    executor = ZmqExecutor(config, stack, ctx, register_timeout_s=30)
+    new = StuckWorker(stack.worker_addr, "new-worker")
+    try:
+        assert executor.worker_instances() == ("stuck-worker",) and not executor.ready
+        old.stop.set()
+        old.join(5)
+        executor.receive()
+        time.sleep(LIVENESS_S + 0.3)
+        new.start()
+        deadline = time.monotonic() + 10
+        while not registered(executor, "new-worker") and time.monotonic() < deadline:
+            executor.receive()
+            time.sleep(0.05)
+        assert executor.worker_instances() == ("new-worker",)
+        executor.initialize_cache(*executor.determine_num_available_blocks())
+        assert executor.ready
+    finally:
+        for worker in (old, new):
+            worker.stop.set()
+            if worker.is_alive():
+                worker.join(5)
+        executor.shutdown()
+        ctx.destroy(linger=0)
+
+
 def registered(executor, instance: str) -> bool:
     return instance in executor.worker_instances() or rank_candidate(executor) == instance
 

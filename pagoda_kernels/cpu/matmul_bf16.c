@@ -286,8 +286,8 @@ static int matmul_amx(const uint16_t *x, int64_t x_stride, int64_t m, const uint
  * from L2, four 1 KiB tiles for four tile products, more than L2 feeds. Here K is cut into
  * blocks of at most PROMPT_KB_STEPS steps: a 32-row pass keeps its A block (18 KiB) in L1 while
  * PROMPT_GROUP panels take their turn against it, and each panel's accumulators wait in L1
- * between K blocks. The panels a thread works on at once are capped at PROMPT_SPAN_BYTES, so
- * that they stay in L2 while every pass goes by. Each output is summed in the same order as
+ * between K blocks. The panels a thread works on at once are capped at PROMPT_SPAN_BYTES (but
+ * at least a group), so that they stay in L2 while every pass goes by. Each output is summed in the same order as
  * above: the results are identical. A C loop over the default model's 30 layers at 2,048 rows
  * (three rounds): 1.74-1.86 TFLOP/s -> 2.07-2.17; at 512 rows 1.66-1.74 -> 1.76-1.81; at 256
  * rows it was slower (1.44-1.53 against 1.63-1.68: the weights come from memory there, which
@@ -390,7 +390,7 @@ int matmul_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t *
     if (m <= 0) return 0;
 #ifdef HAVE_AMX_LOOP
     if (matmul_bf16_path() == 2)
-        return m >= PROMPT_ROWS && loop_choice != 2
+        return m >= PROMPT_ROWS && k >= KSTEP && loop_choice != 2
                    ? matmul_amx_prompt(x, x_stride, m, packed, bias, n, k, gate_up, y)
                    : matmul_amx(x, x_stride, m, packed, bias, n, k, gate_up, y);
 #endif

@@ -223,8 +223,12 @@ def faulted_run(stack, tag: str, fault, before=None
 
 
 def log_tail(path, num_lines: int = 40) -> str:
+    """The log from its last traceback on (a restarted process appends to the same file), or
+    its last lines."""
     with open(path, errors="replace") as f:
-        return "".join(f.readlines()[-num_lines:])
+        lines = f.readlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback")]
+    return "".join(lines[starts[-1]:starts[-1] + num_lines] if starts else lines[-num_lines:])
 
 
 def mid_stream(results: list[StreamResult], min_tokens: int = 4):

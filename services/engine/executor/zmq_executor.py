@@ -126,12 +126,14 @@ class ZmqExecutor(Executor):
         if current == identity:
             return  # a worker repeats its registration while it has nothing to do
         self.instance_of[identity] = msg.instance_id
-        if current is not None:
-            # A rank changes hands only in drop_lost_workers, after a WorkerLost: a stray or
-            # duplicate registration must not steal the steps of a live worker, and a dead
-            # worker's steps in flight and KV cache must be given up (the engine recomputes
-            # its requests) before a new one starts from an empty cache. The dead one is
-            # noticed by check_liveness within the liveness timeout.
+        if current is not None and (self.cache_ready or self._alive(current)):
+            # While a cache is set up, a rank changes hands only in drop_lost_workers, after
+            # a WorkerLost: a stray or duplicate registration must not steal the steps of a
+            # live worker, and a dead worker's steps in flight and KV cache must be given up
+            # (the engine recomputes its requests) before a new one starts from an empty
+            # cache; check_liveness notices the dead one. With no cache set up (start-up, or
+            # after a drop, which recomputed) a silent worker's rank is taken at once: in a
+            # tensor-parallel group with a rank still empty, nothing checks liveness.
             if self.candidates.get(msg.rank) != identity:
                 log.warning("registration for a taken rank kept as a candidate", rank=msg.rank,
                             instance=msg.instance_id)
