@@ -15,6 +15,7 @@ from proto.codec import CodecError, decode, encode
 from proto.control import Register
 from proto.requests import FinishRequest, RequestTextDelta, TextDeltas, TokenDeltas
 from shared.config import EngineArgs
+from shared.gc_freeze import freeze_startup_objects
 from shared.logging import configure, get_logger
 from shared.sockets import (ControlServer, PushRoutes, connect, make_socket,
                             process_instance_id)
@@ -86,7 +87,8 @@ class DetokenizerService:
         signal.signal(signal.SIGINT, lambda *_: setattr(self, "_stop", True))
         heartbeat_every = self.stack.liveness_timeout_s / 4
         last_beat = last_sweep = 0.0
-        log.info("detokenizer ready", engine=self.stack.detokenizer_addr)
+        log.info("detokenizer ready", engine=self.stack.detokenizer_addr,
+                 frozen_objects=freeze_startup_objects())
         try:
             while not self._stop:
                 if time.monotonic() - last_beat > heartbeat_every:

@@ -50,6 +50,7 @@ from proto.control import Register
 from proto.requests import (AbortRequest, EngineRequest, ErrorResponse, FinishRequest,
                             RequestAccepted)
 from shared.config import EngineArgs
+from shared.gc_freeze import freeze_startup_objects
 from shared.logging import configure, get_logger
 from shared.recent_ids import RecentIds
 from shared.sockets import ControlServer, PushRoutes, bind, make_socket, unlink_ipc
@@ -196,7 +197,8 @@ class EngineService(FaultRecovery):
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_stop", True))
         signal.signal(signal.SIGINT, lambda *_: setattr(self, "_stop", True))
         log.info("engine ready", requests=self.stack.request_input, workers=self.stack.worker_addr,
-                 device_blocks=self.engine.config.cache_config.num_device_blocks)
+                 device_blocks=self.engine.config.cache_config.num_device_blocks,
+                 frozen_objects=freeze_startup_objects())
         poller = zmq.Poller()
         for sock in (self.input, self.detok, self.executor.sock):
             poller.register(sock, zmq.POLLIN)

@@ -13,6 +13,7 @@ import signal
 import uvicorn
 
 from shared.config import EngineArgs
+from shared.gc_freeze import freeze_startup_objects
 from shared.logging import configure, get_logger
 from shared.stack_config import StackConfig
 
@@ -170,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
                                 status).start()
         files_before, files_limit = raise_open_files_limit()
         log.info("gateway starting", url=url, model=settings.model_name,
+                 frozen_objects=freeze_startup_objects(),
                  requests=stack.request_input, auth=settings.api_key is not None,
                  max_pending_requests=settings.max_pending_requests,
                  open_files_limit=files_limit, open_files_limit_was=files_before)

@@ -16,6 +16,7 @@ from proto.control import Register
 from proto.requests import AbortRequest, ErrorResponse, GenerateRequest
 from shared.chat_template import load_chat_template
 from shared.config import EngineArgs
+from shared.gc_freeze import freeze_startup_objects
 from shared.logging import configure, get_logger
 from shared.recent_ids import RecentIds
 from shared.sockets import (ControlServer, PushRoutes, connect, make_socket,
@@ -93,7 +94,8 @@ class TokenizerService:
         signal.signal(signal.SIGINT, lambda *_: setattr(self, "_stop", True))
         heartbeat_every = self.stack.liveness_timeout_s / 4
         last_beat = 0.0
-        log.info("tokenizer ready", input=self.stack.tokenizer_input)
+        log.info("tokenizer ready", input=self.stack.tokenizer_input,
+                 frozen_objects=freeze_startup_objects())
         try:
             while not self._stop:
                 if time.monotonic() - last_beat > heartbeat_every:

@@ -19,6 +19,7 @@ from proto.control import Register, WorkerCall, WorkerReply
 from proto.messages import ExecuteModelRequest
 from proto.requests import ErrorResponse
 from shared.config import EngineArgs
+from shared.gc_freeze import freeze_startup_objects
 from shared.logging import configure, get_logger
 from shared.placement import placed_cpus, spread_this_thread
 from shared.sockets import ControlServer, connect, make_socket, process_instance_id
@@ -114,7 +115,8 @@ class WorkerService:
         # restarted (or dropped this worker) learns of it without this process restarting.
         reregister_s = self.stack.liveness_timeout_s / 4
         quiet_since = time.monotonic()
-        log.info("worker ready", rank=self.rank, engine=self.stack.worker_addr)
+        log.info("worker ready", rank=self.rank, engine=self.stack.worker_addr,
+                 frozen_objects=freeze_startup_objects())
         group = self.worker.group
         try:
             if group is not None and not group.is_leader:
