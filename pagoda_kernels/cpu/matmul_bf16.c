@@ -205,6 +205,37 @@ static uint16_t *padded_tail(const uint16_t *x, int64_t x_stride, int64_t m, int
     return tail;
 }
 
+/* One K step of a 32 x 32 block: two A tiles of x (rows a_stride bytes apart), the step's two
+ * B tiles at b, four products into accumulator tiles 4-7. */
+static inline __attribute__((always_inline)) void amx_step(const uint16_t *a, int64_t a_stride,
+                                                           const uint16_t *b, int64_t s) {
+    _tile_loadd(0, a + s * KSTEP, a_stride);
+    _tile_loadd(1, (const char *)(a + s * KSTEP) + 16 * a_stride, a_stride);
+    _tile_loadd(2, b, 64);
+    _tile_loadd(3, b + TILE_ELEMS, 64);
+    _tile_dpbf16ps(4, 0, 2);
+    _tile_dpbf16ps(5, 0, 3);
+    _tile_dpbf16ps(6, 1, 2);
+    _tile_dpbf16ps(7, 1, 3);
+}
+
+/* Accumulator tiles 4-7 into acc (rows 0-15 then 16-31, each as 16 + 16 columns). */
+static inline __attribute__((always_inline)) void amx_store_acc(float acc[4][16][16]) {
+    _tile_stored(4, acc[0], 64);
+    _tile_stored(5, acc[1], 64);
+    _tile_stored(6, acc[2], 64);
+    _tile_stored(7, acc[3], 64);
+}
+
+/* A finished block's rows r0.. (at most 32, none past m) of panel p, written to y. */
+static inline void amx_write_rows(float acc[4][16][16], const uint16_t *bias, int64_t p,
+                                  int64_t n, int gate_up, uint16_t *y, int64_t y_cols,
+                                  int64_t r0, int64_t m) {
+    for (int i = 0; i < AMX_ROWS && r0 + i < m; i++)
+        write_row(acc[i / 16 * 2][i % 16], acc[i / 16 * 2 + 1][i % 16], bias, p, n, gate_up,
+                  y + (r0 + i) * y_cols);
+}
+
 static int matmul_amx(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t *packed,
                       const uint16_t *bias, int64_t n, int64_t k, int gate_up, uint16_t *y) {
     const int64_t panels = n / PANEL, steps = k / KSTEP, y_cols = gate_up ? n / 2 : n;
@@ -256,22 +287,10 @@ static int matmul_amx(const uint16_t *x, int64_t x_stride, int64_t m, const uint
                                                             + line), _MM_HINT_T0);
                         for (due += fetch_lines; due >= steps; due -= steps, fetch += 64)
                             _mm_prefetch(fetch, _MM_HINT_T1); /* fetch_lines / steps a step */
-                        _tile_loadd(0, a + s * KSTEP, a_stride);
-                        _tile_loadd(1, (const char *)(a + s * KSTEP) + 16 * a_stride, a_stride);
-                        _tile_loadd(2, b, 64);
-                        _tile_loadd(3, b + TILE_ELEMS, 64);
-                        _tile_dpbf16ps(4, 0, 2);
-                        _tile_dpbf16ps(5, 0, 3);
-                        _tile_dpbf16ps(6, 1, 2);
-                        _tile_dpbf16ps(7, 1, 3);
+                        amx_step(a, a_stride, b, s);
                     }
-                    _tile_stored(4, acc[0], 64);
-                    _tile_stored(5, acc[1], 64);
-                    _tile_stored(6, acc[2], 64);
-                    _tile_stored(7, acc[3], 64);
-                    for (int i = 0; i < AMX_ROWS && r0 + i < m; i++)
-                        write_row(acc[i / 16 * 2][i % 16], acc[i / 16 * 2 + 1][i % 16], bias, p,
-                                  n, gate_up, y + (r0 + i) * y_cols);
+                    amx_store_acc(acc);
+                    amx_write_rows(acc, bias, p, n, gate_up, y, y_cols, r0, m);
                 }
             }
         }
@@ -337,26 +356,12 @@ static int matmul_amx_prompt(const uint16_t *x, int64_t x_stride, int64_t m,
                                 _tile_loadd(6, c[2], 64);
                                 _tile_loadd(7, c[3], 64);
                             }
-                            for (int64_t s = s0; s < s1; s++) {
-                                const uint16_t *b = packed + p * panel_elems + s * 2 * TILE_ELEMS;
-                                _tile_loadd(0, a + s * KSTEP, a_stride);
-                                _tile_loadd(1, (const char *)(a + s * KSTEP) + 16 * a_stride,
-                                            a_stride);
-                                _tile_loadd(2, b, 64);
-                                _tile_loadd(3, b + TILE_ELEMS, 64);
-                                _tile_dpbf16ps(4, 0, 2);
-                                _tile_dpbf16ps(5, 0, 3);
-                                _tile_dpbf16ps(6, 1, 2);
-                                _tile_dpbf16ps(7, 1, 3);
-                            }
-                            _tile_stored(4, c[0], 64);
-                            _tile_stored(5, c[1], 64);
-                            _tile_stored(6, c[2], 64);
-                            _tile_stored(7, c[3], 64);
+                            for (int64_t s = s0; s < s1; s++)
+                                amx_step(a, a_stride,
+                                         packed + p * panel_elems + s * 2 * TILE_ELEMS, s);
+                            amx_store_acc(c);
                             if (s1 == steps)
-                                for (int i = 0; i < AMX_ROWS && r0 + i < m; i++)
-                                    write_row(c[i / 16 * 2][i % 16], c[i / 16 * 2 + 1][i % 16],
-                                              bias, p, n, gate_up, y + (r0 + i) * y_cols);
+                                amx_write_rows(c, bias, p, n, gate_up, y, y_cols, r0, m);
                         }
                     }
                 }
