@@ -218,17 +218,8 @@ def faulted_run(stack, tag: str, fault, before=None
     # The fault is another process's: the engine must ride it out, not restart.
     assert engine.popen.pid == engine_pid, (
         f"the engine exited during the {tag} fault; the end of its log:\n"
-        + log_tail(engine.log_path))
+        + engine.log_tail(200))  # the new engine's start-up, and the crash before it
     return results, generation_tokens(stack) - tokens_before, client
-
-
-def log_tail(path, num_lines: int = 40) -> str:
-    """The log from its last traceback on (a restarted process appends to the same file), or
-    its last lines."""
-    with open(path, errors="replace") as f:
-        lines = f.readlines()
-    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback")]
-    return "".join(lines[starts[-1]:starts[-1] + num_lines] if starts else lines[-num_lines:])
 
 
 def mid_stream(results: list[StreamResult], min_tokens: int = 4):
