@@ -11,14 +11,15 @@ Faults it rides out or reports:
   copies. After `max_resubmits` resends it fails with 503.
 - text that a detokenizer sends again (it took over a request from one that died) is dropped
   by its offset, so a stream never repeats itself.
-- the engine's control socket is probed every `probe_interval_s`. When it answers from another
-  process (it restarted), every request in flight is sent again with the output its caller
-  already has (`ResumedOutput`): the new engine recomputes those tokens and samples on, and
-  its text, decoded again from the start, is cut where the caller's stream stands. Requests
-  without a seed get one here (drawn at random: the engine's `--seed` no longer decides it),
-  so a sampled request also goes on as it would have. While the
-  engine is away new requests wait for it; only once it has been away for `output_timeout_s`
-  do the requests in flight end with 503 and new ones get 503 at once.
+- the engine's control socket is probed every `probe_interval_s` (`EngineWatch`,
+  engine_watch.py). When it answers from another process (it restarted), every request in
+  flight is sent again with the output its caller already has (`ResumedOutput`): the new
+  engine recomputes those tokens and samples on, and its text, decoded again from the start,
+  is cut where the caller's stream stands. Requests without a seed get one here (drawn at
+  random: the engine's `--seed` no longer decides it), so a sampled request also goes on as
+  it would have. While the engine is away new requests wait for it; only once it has been
+  away for `output_timeout_s` do the requests in flight end with 503 and new ones get 503 at
+  once.
 
 With several engine replicas (data parallelism) each request is bound to one, the least loaded
 by the replicas' own health reports (`replicas.least_loaded`), and stays there: its frame names
@@ -30,7 +31,6 @@ import asyncio
 import contextlib
 import contextvars
 import dataclasses
-import functools
 import os
 import random
 import time
@@ -45,25 +45,15 @@ from proto.requests import (AbortRequest, ChatMessage, ChatPrompt, ErrorResponse
                             GenerateRequest, PromptOptions, RequestAccepted, TextDeltas)
 from shared.logging import get_logger
 from shared.sampling_params import SamplingParams
-from shared.sockets import (bind, bind_random_port, connect, make_socket, probe_health,
-                            unlink_ipc)
+from shared.sockets import bind, bind_random_port, connect, make_socket, unlink_ipc
 from shared.stack_config import StackConfig
 from services.gateway.heartbeat import GatewayHeartbeat
-from services.gateway.replicas import EngineReplica, combined_health, least_loaded
-from services.gateway.request_stream import (ACCEPTED, RESUBMIT, TIMED_OUT, RequestStream,
-                                             request_output)
+from services.gateway.engine_watch import EngineWatch
+from services.gateway.request_stream import (ACCEPTED, RESUBMIT, TIMED_OUT, EngineRequestError,
+                                             RequestStream, request_output)
 from shared.outputs import RequestOutput
 
 log = get_logger("client")
-
-
-class EngineRequestError(RuntimeError):
-    """The stack refused or failed a request; `code` is the HTTP status that fits."""
-
-    def __init__(self, code: int, message: str, request_id: str | None = None):
-        super().__init__(message)
-        self.code = code
-        self.request_id = request_id
 
 
 class AsyncEngineClient:
@@ -110,13 +100,8 @@ class AsyncEngineClient:
         self._watchdog: asyncio.Task | None = None
         self.closed = False
         self._heartbeat = GatewayHeartbeat(self.stack, self.gateway_id, self.curve)
-        # What the watchdog knows of each engine replica.
-        self.replicas = [EngineReplica(k, addr) for k, addr in
-                         enumerate(self.stack.replica_addresses("engine_control"))]
-        self._turn = 0  # where ties between equally loaded replicas start
-        self._probed = False  # the watchdog's first probe is done
-        self._engine_back = asyncio.Event()  # set while some replica is ok
-        self._engine_back.set()
+        self.watch = EngineWatch(self.stack, self.streams, output_timeout_s,
+                                 self.engine_timeout_s)
         self.num_resubmits = 0  # requests sent again for want of an acknowledgement
         self.num_resumed = 0  # requests sent again, with their output, to a new engine
         self.num_resumed_tokens = 0  # the output tokens they carried
@@ -129,19 +114,13 @@ class AsyncEngineClient:
 
     @property
     def engine_ok(self) -> bool:
-        """Some engine replica answers "ok" (until a probe says otherwise)."""
-        return any(r.ok for r in self.replicas)
-
-    def engine_away_s(self) -> float:
-        """How long no engine replica has been answering "ok" (0 while one does)."""
-        if self.engine_ok:
-            return 0.0
-        return time.monotonic() - max(r.last_ok for r in self.replicas)
+        """Some engine replica answers "ok" (`EngineWatch.ok`)."""
+        return self.watch.ok
 
     @property
     def engine_given_up(self) -> bool:
         """The engine has been away for longer than a request may wait for it."""
-        return self.engine_away_s() > self.output_timeout_s
+        return self.watch.given_up
 
     async def generate(self, prompt: str | list[int] | list[dict] | list[ChatMessage],
                        sampling_params: SamplingParams | None = None,
@@ -162,11 +141,11 @@ class AsyncEngineClient:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.streams:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        if not self._probed:
-            await self._probe()  # the first request: know whether the engine is there at all
+        if not self.watch.probed:
+            await self.watch.probe()  # the first request: know whether the engine is there at all
         if self.engine_given_up:
             raise EngineRequestError(
-                503, f"the engine has not been available for {self.engine_away_s():.0f} s; "
+                503, f"the engine has not been available for {self.watch.away_s():.0f} s; "
                      f"retry later", request_id)
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             prompt = [ChatMessage(m["role"], m["content"]) for m in prompt]
@@ -182,8 +161,8 @@ class AsyncEngineClient:
                 finished = True
                 raise EngineRequestError(400, f"the request cannot be encoded: {e}",
                                          request_id) from None
-            await self._wait_for_engine(request_id)
-            self._bind(request_id, stream)
+            await self.watch.wait(request_id)
+            self.watch.bind(request_id, stream)
             if stream.replica:
                 frame = self._frame(request_id, stream)
             await self._submit(frame, request_id)
@@ -199,14 +178,14 @@ class AsyncEngineClient:
                 # the item does, and a request whose client left then runs on.
                 item = await stream.next_item(timeout)
                 if item is TIMED_OUT:
-                    if not self.replicas[stream.replica].ok and not self.engine_given_up:
+                    if not self.watch.replicas[stream.replica].ok and not self.engine_given_up:
                         continue  # the watchdog resubmits it or, in the end, fails it
                     if self.engine_given_up:
                         raise EngineRequestError(
                             503, f"the engine has not been available for "
-                                 f"{self.engine_away_s():.0f} s", request_id) from None
+                                 f"{self.watch.away_s():.0f} s", request_id) from None
                     if accepted:
-                        replica = self.replicas[stream.replica]
+                        replica = self.watch.replicas[stream.replica]
                         now = time.monotonic()
                         if replica.waiting_its_turn(now - self.output_timeout_s, quiet_since):
                             # Behind other requests of a busy engine: it waits, until the
@@ -256,9 +235,9 @@ class AsyncEngineClient:
                         if now - unreachable_since < self.output_timeout_s:
                             accepted = False
                             await asyncio.sleep(self.probe_interval_s)
-                            await self._wait_for_engine(request_id)
-                            if not self.replicas[stream.replica].ok:
-                                self._bind(request_id, stream)  # away: another one
+                            await self.watch.wait(request_id)
+                            if not self.watch.replicas[stream.replica].ok:
+                                self.watch.bind(request_id, stream)  # away: another one
                             frame = self._frame(request_id, stream)
                             await self._submit(frame, request_id)
                             continue
@@ -297,11 +276,7 @@ class AsyncEngineClient:
     async def health(self, timeout_s: float = 1.0):
         """The engine's HealthResponse (with its counts of live peers), or None if it is down;
         with several replicas, their answers combined (`replicas.combined_health`)."""
-        return combined_health(await self._probe_replicas(timeout_s))
-
-    async def _probe_replicas(self, timeout_s: float) -> list:
-        return await asyncio.gather(*(asyncio.to_thread(functools.partial(
-            probe_health, r.control_addr, timeout_s, curve=self.curve)) for r in self.replicas))
+        return await self.watch.health(timeout_s)
 
     def close(self) -> None:
         self.closed = True
@@ -322,7 +297,8 @@ class AsyncEngineClient:
         if self._reader is None or self._reader.done():
             self._reader = loop.create_task(self._read_results(), context=contextvars.Context())
         if self._watchdog is None or self._watchdog.done():
-            self._watchdog = loop.create_task(self._watch(), context=contextvars.Context())
+            self._watchdog = loop.create_task(self.watch.run(self.probe_interval_s),
+                                              context=contextvars.Context())
         self._heartbeat.start()
 
     def _frame(self, request_id: str, stream: RequestStream) -> bytes:
@@ -332,29 +308,6 @@ class AsyncEngineClient:
         return encode(GenerateRequest(request_id, self.gateway_id, prompt, stream.params,
                                       stream.arrival_time, stream.cache_salt, stream.resumed(),
                                       chat_options, stream.prompt_options, stream.replica))
-
-    def _bind(self, request_id: str, stream: RequestStream) -> None:
-        """Bind a request to the least loaded live replica (it stays there unless that one
-        goes away); with one replica, to it."""
-        replica = least_loaded(self.replicas, self._turn) or self.replicas[stream.replica]
-        self._turn += 1
-        replica.sent_since_answer += 1
-        stream.replica, stream.engine_epoch = replica.index, replica.epoch
-        if len(self.replicas) > 1:
-            log.info("request bound to a replica", request_id=request_id,
-                      replica=replica.index, load=replica.load + replica.sent_since_answer)
-
-    async def _wait_for_engine(self, request_id: str) -> None:
-        """Returns once the engine answers ok; 503 once it has been away too long."""
-        while not self.engine_ok:
-            left = self.output_timeout_s - self.engine_away_s()
-            if left <= 0:
-                raise EngineRequestError(
-                    503, f"the engine has not been available for {self.engine_away_s():.0f} s; "
-                         f"retry later", request_id)
-            with contextlib.suppress(asyncio.TimeoutError):
-                async with asyncio.timeout(left):  # not `wait_for` (see `generate`)
-                    await self._engine_back.wait()
 
     async def _submit(self, frame: bytes, request_id: str) -> None:
         """Send to the engine's front door. Connecting takes a moment after start, and the
@@ -366,7 +319,7 @@ class AsyncEngineClient:
             if self.engine_given_up or (self.engine_ok and time.monotonic() > deadline):
                 raise EngineRequestError(503, "the engine is not reachable; retry later",
                                          request_id)
-            await self._wait_for_engine(request_id)
+            await self.watch.wait(request_id)
 
     @staticmethod
     async def _send_within(sock: zmq.asyncio.Socket, frame: bytes, timeout_s: float) -> bool:
@@ -405,106 +358,3 @@ class AsyncEngineClient:
                     stream = self.streams.get(delta.request_id)
                     if stream is not None:
                         stream.queue.put_nowait(delta)
-
-    async def _watch(self) -> None:
-        while True:
-            await self._probe()
-            await asyncio.sleep(self.probe_interval_s)
-
-    async def _probe(self) -> None:
-        """Probe every engine replica once. When another engine process answers for one,
-        send its requests in flight to it again (once it is ok); the requests of a replica
-        that is not ok move to a live one; when none has answered ok for `output_timeout_s`,
-        fail them."""
-        sent = time.monotonic()
-        answers = await self._probe_replicas(min(1.0, self.engine_timeout_s))
-        now = time.monotonic()
-        first = not self._probed
-        self._probed = True
-        for replica, health in zip(self.replicas, answers):
-            self._observe(replica, health, sent, now, first)
-        if self.engine_ok:
-            self._engine_back.set()
-        else:
-            self._engine_back.clear()
-        if len(self.replicas) > 1 and self.engine_ok:
-            self._move_streams()
-        if self.engine_given_up:
-            self._fail_streams(f"the engine has not been available for "
-                               f"{self.engine_away_s():.0f} s")
-
-    def _observe(self, replica: EngineReplica, health, sent: float, now: float,
-                 first: bool) -> None:
-        """What one probe of a replica (sent at `sent`) says: restarted, ok or not, its load
-        and progress."""
-        rlog = log.bind(replica=replica.index) if len(self.replicas) > 1 else log
-        if health is not None:
-            boot_id = health.details.get("boot_id")
-            if replica.boot_id is not None and boot_id != replica.boot_id:
-                replica.epoch += 1
-                rlog.warning("the engine restarted; requests in flight will be sent to it "
-                             "again", pid=health.details.get("pid"),
-                             requests=sum(s.replica == replica.index
-                                          for s in self.streams.values()))
-            replica.boot_id = boot_id
-            replica.last_answer = now
-            replica.observe(health, sent)
-            ok = health.status == "ok"
-            if ok != replica.ok:
-                rlog.info("engine available" if ok else "engine not available",
-                          status=health.status)
-            self._set_replica_ok(replica, ok, now)
-            if ok and replica.resumed_epoch < replica.epoch:
-                replica.resumed_epoch = replica.epoch
-                self._resubmit_streams(replica)
-        elif first:
-            # Never seen: away from now on (not since this client was made, maybe long ago).
-            rlog.warning("no engine answers", addr=replica.control_addr)
-            replica.last_answer = replica.last_ok = now
-            self._set_replica_ok(replica, False, now)
-        elif now - replica.last_answer > self.engine_timeout_s:
-            if replica.ok:
-                rlog.warning("the engine is not answering; requests wait for it",
-                             silent_s=round(now - replica.last_answer, 1),
-                             requests=sum(s.replica == replica.index
-                                          for s in self.streams.values()))
-            self._set_replica_ok(replica, False, now)
-
-    @staticmethod
-    def _set_replica_ok(replica: EngineReplica, ok: bool, now: float) -> None:
-        if ok:
-            replica.last_ok = now
-        replica.ok = ok
-
-    def _resubmit_streams(self, replica: EngineReplica) -> None:
-        """A replica's engine restarted and is ok: its requests go to it again."""
-        for stream in self.streams.values():
-            if (stream.replica == replica.index and stream.engine_epoch < replica.epoch
-                    and not stream.failed):
-                stream.engine_epoch = replica.epoch
-                stream.queue.put_nowait(RESUBMIT)
-
-    def _move_streams(self) -> None:
-        """The requests of replicas whose engine is gone (silent for the engine timeout, or a
-        new process that does not have them) go, with their output so far, to live ones
-        (`LLMEngine.resume_outputs` there), each to the least loaded at its turn. A replica
-        that answers but is not ok (recovering its workers, say) keeps its requests: it still
-        holds them and goes on with them, and a copy elsewhere would run twice."""
-        now = time.monotonic()
-        for request_id, stream in self.streams.items():
-            old = self.replicas[stream.replica]
-            gone = (now - old.last_answer > self.engine_timeout_s
-                    or stream.engine_epoch < old.epoch)
-            if old.ok or stream.failed or not gone:
-                continue
-            self._bind(request_id, stream)
-            log.warning("request moved to another engine replica", request_id=request_id,
-                        replica=stream.replica, from_replica=old.index,
-                        resumed_tokens=sum(map(len, stream.token_ids.values())))
-            stream.queue.put_nowait(RESUBMIT)
-
-    def _fail_streams(self, message: str) -> None:
-        for request_id, stream in self.streams.items():
-            if not stream.failed:
-                stream.failed = True
-                stream.queue.put_nowait(EngineRequestError(503, message, request_id))

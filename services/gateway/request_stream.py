@@ -17,6 +17,15 @@ RESUBMIT = object()  # put there when a new engine is up: send the request again
 TIMED_OUT = object()  # put there by its timer when it has waited past its deadline
 
 
+class EngineRequestError(RuntimeError):
+    """The stack refused or failed a request; `code` is the HTTP status that fits."""
+
+    def __init__(self, code: int, message: str, request_id: str | None = None):
+        super().__init__(message)
+        self.code = code
+        self.request_id = request_id
+
+
 @dataclass
 class RequestStream:
     """One request: what it asked, its outputs as they arrive, and how much of each sequence
