@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from proto.requests import (RequestTextDelta, RequestTokenDelta, SequenceTextDelta, Usage)
 from shared.sampling_params import SamplingParams
-from services.detokenizer.incremental import IncrementalDetokenizer, find_stop_string
+from shared.incremental_detokenizer import IncrementalDetokenizer, find_stop_string
 
 
 @dataclass

@@ -13,7 +13,7 @@ from shared.config import EngineArgs, PagodaConfig
 from shared.sampling_params import SamplingParams
 from shared.structured_output import check_supported
 from shared.tokenizer import eos_token_ids, get_tokenizer
-from services.detokenizer.incremental import IncrementalDetokenizer
+from shared.incremental_detokenizer import IncrementalDetokenizer
 from services.engine.executor import Executor
 from shared.outputs import CompletionOutput, RequestOutput
 from services.engine.scheduler import ScheduledSequenceGroup, Scheduler, SchedulerOutputs

@@ -1,6 +1,6 @@
 """Stop conditions on token ids and text: EOS, stop token ids, max_tokens, max_model_len, stop strings."""
 from shared.sampling_params import SamplingParams
-from services.detokenizer.incremental import find_stop_string
+from shared.incremental_detokenizer import find_stop_string
 from services.engine.sequence import Sequence, SequenceStatus
 
 
