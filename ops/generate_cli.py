@@ -3,7 +3,7 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from shared.config import EngineArgs
+    from shared.engine_args import EngineArgs
     parser.add_argument("prompts", nargs="+", help="prompt texts")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)

@@ -10,7 +10,7 @@ import os
 import sys
 from dataclasses import fields
 
-from shared.config import EngineArgs
+from shared.engine_args import EngineArgs
 from shared.placement import parse_cpu_list, rank_cpus
 from shared.sockets import free_tcp_ports
 from shared.stack_config import StackConfig

@@ -9,7 +9,7 @@ from shared.stack_config import SERVING_FIELDS, StackConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from shared.config import EngineArgs
+    from shared.engine_args import EngineArgs
     parser.add_argument("--compose-file", nargs="+", default=None,
                         help="the stack's description (default: the project's docker-compose.yml);"
                              " several files are merged as compose merges them (e.g. "
@@ -102,7 +102,7 @@ def _positive_int(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shared.config import EngineArgs
+    from shared.engine_args import EngineArgs
     from shared.logging import configure
     from ops.launcher import LaunchError, LocalStack
     from shared.curve import CurveKeysError

@@ -8,7 +8,7 @@ import importlib
 _EXPORTS = {
     "LLM": "services.engine.llm",
     "LLMEngine": "services.engine.llm_engine",
-    "EngineArgs": "shared.config",
+    "EngineArgs": "shared.engine_args",
     "SamplingParams": "shared.sampling_params",
     "RequestOutput": "shared.outputs",
     "CompletionOutput": "shared.outputs",

@@ -72,7 +72,7 @@ def test_latency_runs_each_round_alone_on_every_system(tmp_path, monkeypatch, ca
 
 
 def test_a_variant_needs_a_name_and_valid_flags():
-    from shared.config import EngineArgs
+    from shared.engine_args import EngineArgs
     name, engine_args = latency.variant_args(EngineArgs(max_model_len=64),
                                              "int8=--quantization int8")
     assert name == "int8" and engine_args.quantization == "int8"

@@ -276,7 +276,7 @@ def test_the_vllm_peer_takes_prompts_per_run_and_answers_on_its_pipe(tmp_path, m
     monkeypatch.setenv("FAKE_VLLM_LOG", str(log))
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     monkeypatch.setattr(peers, "hf_folder_for", lambda model_config: "/models/stand-in")
-    from shared.config import EngineArgs
+    from shared.engine_args import EngineArgs
     config = EngineArgs(max_model_len=64).create_engine_config()
     workloads = [[[5, 6, 7], [8, 9]], [[10, 11, 12, 13]]]
     peer = peers.VllmPeer(sys.executable, config, 4, workloads)
@@ -354,7 +354,7 @@ def test_a_vllm_peer_that_dies_at_start_is_a_clear_error(tmp_path, monkeypatch):
     (package / "__init__.py").write_text("raise ImportError('no vLLM here')\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
     monkeypatch.setattr(peers, "hf_folder_for", lambda model_config: "/models/stand-in")
-    from shared.config import EngineArgs
+    from shared.engine_args import EngineArgs
     config = EngineArgs(max_model_len=64).create_engine_config()
     with pytest.raises(SystemExit, match="vLLM baseline failed"):
         peers.VllmPeer(sys.executable, config, 4, [[[1, 2]]])

@@ -7,7 +7,8 @@ import pytest
 import structlog
 import torch
 
-from shared.config import ConfigError, EngineArgs
+from shared.config import ConfigError
+from shared.engine_args import EngineArgs
 from tests.helpers import tiny_llama_config
 
 

@@ -17,7 +17,7 @@ import pytest  # noqa: E402
 from services.worker.cuda_graphs import (PAD_SLOT, BufferLayout, DecodeGraphs,  # noqa: E402
                                          DecodeInputBuffers, capture_sizes, graphs_apply,
                                          padded_size)
-from shared.config import EngineArgs  # noqa: E402
+from shared.engine_args import EngineArgs  # noqa: E402
 from tests.helpers import PagedBatchPlanner, PagedSequence  # noqa: E402
 
 

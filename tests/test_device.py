@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from services.worker.memory_budget import ProfileMemory, kv_cache_budget_bytes, num_kv_blocks
-from shared.config import ConfigError, EngineArgs, device_for_rank
+from shared.config import ConfigError, device_for_rank
+from shared.engine_args import EngineArgs
 
 GIB = 1 << 30
 

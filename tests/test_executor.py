@@ -13,7 +13,7 @@ from proto.codec import decode, encode
 from proto.control import Register, WorkerCall, WorkerReply
 from proto.messages import ExecuteModelRequest
 from services.engine.executor.zmq_executor import WorkerLost, ZmqExecutor
-from shared.config import EngineArgs
+from shared.engine_args import EngineArgs
 from shared.stack_config import StackConfig
 
 LIVENESS_S = 2.0

@@ -16,7 +16,8 @@ from services.worker.models import gguf_weights
 from services.worker.models.gguf_weights import (Q4_0, Q4_1, Q4_K, Q8_0, GGUFWeight,
                                                  allocate_part, fill_from_blocks, fill_from_float)
 from services.worker.models.linear import Linear
-from shared.config import ConfigError, EngineArgs
+from shared.config import ConfigError
+from shared.engine_args import EngineArgs
 from shared.model_source import default_model_path
 from tests.helpers import greedy_agreement, greedy_outputs, perplexity
 from tests.test_int8_weights import (MAX_TOKENS, MIN_AGREEING, PROMPTS, TEXT, TOP_K,

@@ -47,7 +47,7 @@ def test_freed_activation_memory_is_reused_rather_than_faulted_in_again():
 
 def test_the_cpu_worker_applies_them_when_it_starts(monkeypatch):
     from services.worker import worker as worker_module
-    from shared.config import EngineArgs
+    from shared.engine_args import EngineArgs
     calls = []
     monkeypatch.setattr(worker_module, "keep_freed_memory", lambda: calls.append(True))
     config = EngineArgs(max_model_len=64).create_engine_config()

@@ -20,7 +20,8 @@ if DEVICE == "cpu":  # before pagoda_kernels.triton is imported (as tests/confte
 from pagoda_kernels import cpu, reference  # noqa: E402
 from pagoda_kernels.reference import cache_row_width, dequantize_kv, quantize_kv  # noqa: E402
 from services.worker.cache_engine import CacheEngine  # noqa: E402
-from shared.config import CacheConfig, ConfigError, EngineArgs  # noqa: E402
+from shared.config import CacheConfig, ConfigError  # noqa: E402
+from shared.engine_args import EngineArgs  # noqa: E402
 from tests.helpers import greedy_agreement, greedy_outputs  # noqa: E402
 # The int8 weights' agreement test's prompts and counts, and its memoised reference outputs.
 from tests.test_int8_weights import (MAX_TOKENS, MIN_AGREEING, PROMPTS, TOP_K,  # noqa: E402

@@ -12,7 +12,8 @@ import torch
 from services.worker.ngram_proposer import NgramProposer
 from services.worker.rejection_sampler import rejection_sample
 from services.worker.sampling_metadata import SamplingRow
-from shared.config import ConfigError, EngineArgs
+from shared.config import ConfigError
+from shared.engine_args import EngineArgs
 from shared.sampling_params import SamplingParams
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,

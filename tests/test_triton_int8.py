@@ -19,14 +19,15 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-import shared.config as config_module  # noqa: E402
+import shared.engine_args as engine_args_module  # noqa: E402
 from pagoda_kernels.triton import int8_matmul  # noqa: E402
 from services.worker.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from services.worker.model_loader import load_model  # noqa: E402
 from services.worker.models import int8  # noqa: E402
 from services.worker.models.int8 import quantize_rows  # noqa: E402
 from services.worker.models.linear import Linear  # noqa: E402
-from shared.config import ConfigError, EngineArgs  # noqa: E402
+from shared.config import ConfigError  # noqa: E402
+from shared.engine_args import EngineArgs  # noqa: E402
 from tests.helpers import (PagedBatchPlanner, PagedSequence, load_config,  # noqa: E402
                            model_config_for, new_kv_caches, save_random_model,
                            tiny_llama_config)
@@ -264,7 +265,7 @@ def test_the_config_accepts_int8_and_w8a8_on_cuda(model_folder, on_cuda, quantiz
 
 
 def test_the_config_refuses_int8_on_cuda_without_triton(model_folder, on_cuda, monkeypatch):
-    monkeypatch.setattr(config_module, "_has_triton", lambda: False)
+    monkeypatch.setattr(engine_args_module, "_has_triton", lambda: False)
     with pytest.raises(ConfigError, match="^quantization: 'int8' on cuda needs triton"):
         EngineArgs(model=model_folder, quantization="int8").create_engine_config()
 

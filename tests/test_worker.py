@@ -5,7 +5,7 @@ import weakref
 import pytest
 
 from services.worker.worker import Worker
-from shared.config import EngineArgs
+from shared.engine_args import EngineArgs
 from tests.helpers import save_random_model, tiny_llama_config
 from tests.test_host_memory import run_fresh
 
@@ -83,7 +83,7 @@ def test_initialize_cache_frees_the_old_cache_before_allocating(model_folder, mo
 PEAK = """
     import json
     from services.worker.worker import Worker
-    from shared.config import EngineArgs
+    from shared.engine_args import EngineArgs
 
     def status_kib(field):
         with open("/proc/self/status") as f:

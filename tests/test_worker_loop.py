@@ -17,7 +17,7 @@ from proto.control import Register, WorkerCall, WorkerReply
 from proto.messages import SamplerOutput
 from services.engine.executor.uniproc import UniProcExecutor
 from services.engine.llm_engine import LLMEngine
-from shared.config import EngineArgs
+from shared.engine_args import EngineArgs
 from shared.stack_config import StackConfig
 from tests.helpers import save_random_model, tiny_llama_config
 

@@ -129,7 +129,7 @@ def _cases(hf, dtype: torch.dtype, batch: int, context: int, block_size: int) ->
 
 def run(args: argparse.Namespace) -> int:
     from pagoda_kernels import cpu
-    from shared.config import EngineArgs
+    from shared.engine_args import EngineArgs
 
     if cpu.load() is None:
         raise SystemExit(f"the CPU kernels are unavailable: {cpu.unavailable_reason()}")

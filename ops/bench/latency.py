@@ -20,7 +20,7 @@ from ops.bench.workloads import make_workload
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from shared.config import EngineArgs
+    from shared.engine_args import EngineArgs
     parser.add_argument("--rounds", type=int, default=3, help="warm rounds, after the first")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
@@ -44,7 +44,7 @@ def variant_args(base, name_flags: str):
     """'NAME=FLAGS' -> (NAME, EngineArgs: `base` with FLAGS on top)."""
     import shlex
 
-    from shared.config import EngineArgs
+    from shared.engine_args import EngineArgs
     name, _, flags = name_flags.partition("=")
     if not name:
         raise SystemExit(f"--variant {name_flags!r}: give it a name, NAME=FLAGS")
@@ -75,7 +75,7 @@ class NamedRunner:
 def run(args: argparse.Namespace) -> int:
     from ops.bench.peers import LlamaCppPeer, VllmPeer
     from ops.bench.throughput import PagodaRunner, run_alternating
-    from shared.config import EngineArgs
+    from shared.engine_args import EngineArgs
     from shared.tokenizer import get_tokenizer
     if args.rounds < 1:
         raise SystemExit("--rounds must be at least 1")

@@ -129,7 +129,7 @@ def _bench_with_vllm_client(args: argparse.Namespace, rates: list[float]) -> dic
     """vLLM's `bench serve` against the running server, one run per rate (its own prompts)."""
     import httpx
     from ops.bench.throughput import hf_folder_for
-    from shared.config import EngineArgs
+    from shared.engine_args import EngineArgs
     if not (args.vllm_python and os.access(args.vllm_python, os.X_OK)):
         raise SystemExit("--client vllm needs --vllm-python: the Python of a venv with vLLM")
     models = httpx.get(args.base_url.rstrip("/") + "/v1/models", timeout=30).json()

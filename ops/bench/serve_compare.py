@@ -30,7 +30,7 @@ SKIPPED_ENGINE_FLAGS = ("model", "tokenizer", "seed")  # bench serve has its own
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """EngineArgs' flags for the servers the benchmark starts; unset ones stay None, so each
     server keeps its own defaults (--model and --tokenizer are the benchmark's own)."""
-    from shared.config import EngineArgs, _cli_type
+    from shared.engine_args import EngineArgs, _cli_type
     group = parser.add_argument_group("engine (the servers --baseline starts)")
     for f in fields(EngineArgs):
         if f.name in SKIPPED_ENGINE_FLAGS:
@@ -46,7 +46,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def user_engine_args(args: argparse.Namespace) -> dict:
-    from shared.config import EngineArgs
+    from shared.engine_args import EngineArgs
     out = {f.name: getattr(args, f.name, None) for f in fields(EngineArgs)
            if f.name not in SKIPPED_ENGINE_FLAGS}
     out = {k: v for k, v in out.items() if v is not None}
@@ -200,7 +200,8 @@ def _vllm_settings(engine_args: dict, config, served_name: str) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shared.config import ConfigError, EngineArgs
+    from shared.config import ConfigError
+    from shared.engine_args import EngineArgs
     from shared.model_source import DEFAULT_MODEL_NAME
     from ops.bench.serve_servers import PagodaServer, VllmServer
     rates = [float(r) for r in args.request_rate]

@@ -53,7 +53,7 @@ _DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from shared.config import EngineArgs
+    from shared.engine_args import EngineArgs
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--num-prompts", type=int, default=len(PROMPTS),
                         help=f"how many of the {len(PROMPTS)} prompts (cycled beyond that)")
@@ -65,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def engine_args(args: argparse.Namespace) -> dict:
     """The two engines' EngineArgs: "plain" (speculation off) and "speculative"."""
-    from shared.config import EngineArgs
+    from shared.engine_args import EngineArgs
     speculative = EngineArgs.from_cli_args(args)
     if not speculative.speculative_config:
         raise SystemExit("--speculative-config: give the configuration to compare")

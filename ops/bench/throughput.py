@@ -31,7 +31,7 @@ __all__ = ["hf_folder_for", "make_workload", "process_tree", "process_tree_cpu_s
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from shared.config import EngineArgs
+    from shared.engine_args import EngineArgs
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
@@ -171,7 +171,7 @@ def run_stack(engine_args, workloads: list[Workload], output_len: int,
 def run(args: argparse.Namespace) -> int:
     import os
 
-    from shared.config import EngineArgs
+    from shared.engine_args import EngineArgs
     from shared.tokenizer import get_tokenizer
     engine_args = EngineArgs.from_cli_args(args)
     config = engine_args.create_engine_config()

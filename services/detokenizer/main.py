@@ -14,7 +14,7 @@ import zmq
 from proto.codec import CodecError, decode, encode
 from proto.control import Register
 from proto.requests import FinishRequest, RequestTextDelta, TextDeltas, TokenDeltas
-from shared.config import EngineArgs
+from shared.engine_args import EngineArgs
 from shared.gc_freeze import freeze_startup_objects
 from shared.logging import configure, get_logger
 from shared.sockets import (ControlServer, PushRoutes, connect, make_socket,

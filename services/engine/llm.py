@@ -7,7 +7,7 @@ from tqdm.auto import tqdm
 
 from proto.requests import ChatOptions
 from shared.chat_template import load_chat_template, render_chat
-from shared.config import EngineArgs
+from shared.engine_args import EngineArgs
 from shared.sampling_params import SamplingParams
 from services.engine.llm_engine import LLMEngine
 from shared.outputs import RequestOutput

@@ -9,7 +9,8 @@ import structlog
 
 from proto.messages import ExecuteModelRequest, SamplerOutput
 from proto.requests import ResumedOutput
-from shared.config import EngineArgs, PagodaConfig
+from shared.config import PagodaConfig
+from shared.engine_args import EngineArgs
 from shared.sampling_params import SamplingParams
 from shared.structured_output import check_supported
 from shared.tokenizer import eos_token_ids, get_tokenizer

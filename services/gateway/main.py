@@ -12,7 +12,7 @@ import signal
 
 import uvicorn
 
-from shared.config import EngineArgs
+from shared.engine_args import EngineArgs
 from shared.gc_freeze import freeze_startup_objects
 from shared.logging import configure, get_logger
 from shared.stack_config import StackConfig

@@ -15,7 +15,7 @@ from proto.codec import CodecError, decode, encode
 from proto.control import Register
 from proto.requests import AbortRequest, ErrorResponse, GenerateRequest
 from shared.chat_template import load_chat_template
-from shared.config import EngineArgs
+from shared.engine_args import EngineArgs
 from shared.gc_freeze import freeze_startup_objects
 from shared.logging import configure, get_logger
 from shared.recent_ids import RecentIds

@@ -18,7 +18,7 @@ from proto.codec import CodecError, decode, encode
 from proto.control import Register, WorkerCall, WorkerReply
 from proto.messages import ExecuteModelRequest
 from proto.requests import ErrorResponse
-from shared.config import EngineArgs
+from shared.engine_args import EngineArgs
 from shared.gc_freeze import freeze_startup_objects
 from shared.logging import configure, get_logger
 from shared.placement import placed_cpus, spread_this_thread

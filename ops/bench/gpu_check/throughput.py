@@ -14,7 +14,7 @@ from .roofline import model_shape, roofline_seconds
 
 def section_throughput(run: Run, device, spec: ModelSpec) -> list:
     import torch
-    from shared.config import EngineArgs
+    from shared.engine_args import EngineArgs
     args = run.args
     spec = replace(spec, **{k: v for k, v in dict(
         num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
