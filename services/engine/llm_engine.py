@@ -11,12 +11,13 @@ from proto.messages import ExecuteModelRequest, SamplerOutput
 from proto.requests import ResumedOutput
 from shared.config import PagodaConfig
 from shared.engine_args import EngineArgs
+from shared.incremental_detokenizer import IncrementalDetokenizer
+from shared.outputs import CompletionOutput, RequestOutput
 from shared.sampling_params import SamplingParams
 from shared.structured_output import check_supported
 from shared.tokenizer import eos_token_ids, get_tokenizer
-from shared.incremental_detokenizer import IncrementalDetokenizer
 from services.engine.executor import Executor
-from shared.outputs import CompletionOutput, RequestOutput
+from services.engine.resume import resume_outputs
 from services.engine.scheduler import ScheduledSequenceGroup, Scheduler, SchedulerOutputs
 from services.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from services.engine.spec_stats import SpecDecodeStats
@@ -154,56 +155,12 @@ class LLMEngine:
 
     def resume_outputs(self, group: SequenceGroup, resumed: list[ResumedOutput]) -> None:
         """A request that an engine which died had been running, sent again with the output its
-        client already has: each sample starts from its tokens (recomputed with the prompt,
-        counted as output), and a sample the client saw finish is not run again. Call right
-        after `add_request`, before the next step is scheduled. Raises ValueError for output
-        that does not fit the request."""
-        params = group.sampling_params
-        by_index: dict[int, ResumedOutput] = {}
-        for r in resumed:
-            if not 0 <= r.index < params.n or r.index in by_index:
-                raise ValueError(f"resumed output: sample index {r.index} repeated or not in "
-                                 f"[0, n={params.n})")
-            by_index[r.index] = r
-        vocab = self.model_config.vocab_size
-        max_len = self.config.scheduler_config.max_model_len
-        for r in by_index.values():
-            if any(not 0 <= t < vocab for t in r.token_ids):
-                raise ValueError(f"resumed output: token ids out of range [0, {vocab})")
-            if not r.finished and (group.prompt_len + len(r.token_ids) >= max_len or (
-                    params.max_tokens is not None and len(r.token_ids) >= params.max_tokens)):
-                raise ValueError(f"resumed output: sample {r.index} has {len(r.token_ids)} "
-                                 f"tokens and is not finished, but has no room to go on")
-        if all(j in by_index and by_index[j].finished for j in range(params.n)):
-            raise ValueError("resumed output: every sample is finished; nothing is left to run")
-        # The samples of a group run in lockstep. A client holds them so (a step's output of a
-        # request is one message); should one be ahead, it goes back to the others, and the
-        # client drops its recomputed tokens by their offset.
-        num_tokens = min((len(by_index[j].token_ids) if j in by_index else 0
-                          for j in range(params.n)
-                          if j not in by_index or not by_index[j].finished), default=0)
-        if num_tokens == 0:
-            # Nothing to go on from (a sample the client saw finish runs again, and the client
-            # ignores it): it starts as a new request, with its prompt's fan-out.
-            return
-        # Every sample is a sequence of its own from here (the prompt was sampled already, so
-        # there is no fan-out to fork), recomputed from its tokens like a preempted one.
-        seqs = [group.first_seq] + [
-            Sequence(next(self.seq_counter), group.prompt_token_ids, sample_index=j,
-                     cache_salt=group.cache_salt) for j in range(1, params.n)]
-        for seq in seqs:
-            r = by_index.get(seq.sample_index)
-            if r is None:
-                continue
-            token_ids = r.token_ids if r.finished else r.token_ids[:num_tokens]
-            seq.token_ids.extend(token_ids)
-            if params.logprobs is not None:
-                # Placeholders, so later logprobs line up with their tokens; the client drops
-                # this part of the output by its offset, having had the real values.
-                seq.output_logprobs = [{t: 0.0} for t in token_ids]
-            if r.finished:
-                seq.status = SequenceStatus.FINISHED_STOPPED
-        group.seqs = seqs
+        client already has (`resume.resume_outputs`). Call right after `add_request`, before
+        the next step is scheduled. Raises ValueError for output that does not fit the
+        request."""
+        resume_outputs(group, resumed, self.model_config.vocab_size,
+                       self.config.scheduler_config.max_model_len,
+                       lambda: next(self.seq_counter))
 
     def abort_request(self, request_id: str | list[str]) -> list[SequenceGroup]:
         aborted = self.scheduler.abort_seq_group(request_id)
@@ -311,7 +268,7 @@ class LLMEngine:
                 # later request already).
                 continue
             if group.prompt_logprobs is not None and group.first_seq.seq_id in prompt_lps:
-                self._append_prompt_logprobs(group, prompt_lps[group.first_seq.seq_id])
+                group.append_prompt_logprobs(prompt_lps[group.first_seq.seq_id])
             if scheduled.is_prompt:
                 self.total_prompt_tokens += scheduled.token_chunk_size
             if not scheduled.do_sample:
@@ -341,18 +298,9 @@ class LLMEngine:
                 group.metrics.finished_time = now
                 self._forget(group)
         if self.spec_stats is not None and time.monotonic() - self._spec_logged_at > _SPEC_LOG_S:
-            self._log_spec_stats()
+            self._spec_logged_at = time.monotonic()
+            self._spec_stats().log_summary(log)
         return updated
-
-    def _log_spec_stats(self) -> None:
-        self._spec_logged_at = time.monotonic()
-        stats = self._spec_stats()
-        if stats.num_drafts:
-            log.info("speculative decoding", drafts=stats.num_drafts,
-                     acceptance_rate=round(stats.acceptance_rate, 3),
-                     mean_accepted_length=round(stats.mean_accepted_length, 2),
-                     acceptance_per_pos=[round(r, 3) for r in stats.acceptance_rate_per_pos()],
-                     steps_off=stats.num_steps_off)
 
     def _append_sample(self, group: SequenceGroup, seq: Sequence, result: SamplerOutput,
                        i: int) -> None:
@@ -406,16 +354,6 @@ class LLMEngine:
         p = group.sampling_params
         return IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids,
                                       p.skip_special_tokens, p.spaces_between_special_tokens)
-
-    def _append_prompt_logprobs(self, group: SequenceGroup, plp) -> None:
-        prompt = group.prompt_token_ids
-        for k, pos in enumerate(range(plp.start, plp.start + len(plp.token_logprobs))):
-            if pos < len(group.prompt_logprobs):
-                continue  # recomputed after a preemption: recorded already
-            assert pos == len(group.prompt_logprobs), f"prompt logprobs skip position {pos}"
-            entry = dict(zip(plp.top_token_ids[k], plp.top_logprobs[k]))
-            entry[prompt[pos]] = plp.token_logprobs[k]
-            group.prompt_logprobs.append(entry)
 
     # -- outputs -------------------------------------------------------------------------------
     def request_output(self, group: SequenceGroup) -> RequestOutput:

@@ -170,3 +170,15 @@ class SequenceGroup:
     def is_prefill(self) -> bool:
         return any(s.num_uncomputed_tokens > 1 for s in self.unfinished_seqs()) or (
             self.first_seq.num_computed_tokens < self.prompt_len)
+
+    def append_prompt_logprobs(self, plp) -> None:
+        """Record a step's prompt logprobs (a `PromptLogprobs` of the step's output): each
+        position's top entries and its own token's, once (a prompt recomputed after a
+        preemption brings positions already recorded)."""
+        for k, pos in enumerate(range(plp.start, plp.start + len(plp.token_logprobs))):
+            if pos < len(self.prompt_logprobs):
+                continue
+            assert pos == len(self.prompt_logprobs), f"prompt logprobs skip position {pos}"
+            entry = dict(zip(plp.top_token_ids[k], plp.top_logprobs[k]))
+            entry[self.prompt_token_ids[pos]] = plp.token_logprobs[k]
+            self.prompt_logprobs.append(entry)

@@ -34,6 +34,15 @@ class SpecDecodeStats:
     def acceptance_rate_per_pos(self) -> list[float]:
         return [a / self.num_drafts if self.num_drafts else 0.0 for a in self.accepted_per_pos]
 
+    def log_summary(self, log) -> None:
+        """One log line of the counters (none before the first draft)."""
+        if self.num_drafts:
+            log.info("speculative decoding", drafts=self.num_drafts,
+                     acceptance_rate=round(self.acceptance_rate, 3),
+                     mean_accepted_length=round(self.mean_accepted_length, 2),
+                     acceptance_per_pos=[round(r, 3) for r in self.acceptance_rate_per_pos()],
+                     steps_off=self.num_steps_off)
+
     def health_details(self) -> dict:
         """The counters as flat health details (one key per position)."""
         details = {"spec_decode_num_drafts": self.num_drafts,
