@@ -23,7 +23,7 @@ import pytest  # noqa: E402
 pytest.importorskip("triton")
 
 from pagoda_kernels import reference  # noqa: E402
-from pagoda_kernels.triton import paged_attention as paged_module  # noqa: E402
+from pagoda_kernels.triton import kv_tiles  # noqa: E402
 from pagoda_kernels.triton.paged_attention import paged_decode_attention  # noqa: E402
 from pagoda_kernels.triton.prefill_attention import prefill_attention  # noqa: E402
 
@@ -281,7 +281,7 @@ def test_mismatched_or_non_contiguous_inputs_are_refused():
         prefill_attention(*prefill_args(num_heads=32, num_kv_heads=1), block_m=16)
 
 def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch):
-    monkeypatch.setattr(paged_module, "INTERPRETED", False)
+    monkeypatch.setattr(kv_tiles, "INTERPRETED", False)
     args = [t.cpu() if isinstance(t, torch.Tensor) else t for t in decode_args()]
     with pytest.raises(ValueError, match="need CUDA tensors"):
         paged_decode_attention(*args)

@@ -26,10 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda_kernels.triton.paged_attention import (LOG2_E, cache_bytes, check_index, check_kv_cache,
-                                            check_out, dot_fp32, is_power_of_two,
-                                            kv_tile_offsets, load_k_tile, load_v_tile,
-                                            needs_upcast_dot)
+from pagoda_kernels.triton.kv_tiles import (LOG2_E, cache_bytes, check_index, check_kv_cache,
+                                         check_out, dot_fp32, is_power_of_two, kv_tile_offsets,
+                                         load_k_tile, load_v_tile, needs_upcast_dot)
 
 
 def default_tile_sizes(dtype: torch.dtype, head_dim: int) -> tuple[int, int]:
