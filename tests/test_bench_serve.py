@@ -16,8 +16,8 @@ from ops.bench.processes import (cpu_by_pid, cpu_delta_by_role, pagoda_role, pro
 from ops.bench.serve import save_plot
 from ops.bench.serve_client import (HttpxClient, OpenaiClient, RequestResult, _stats_ms,
                                     summarize, summary_from_vllm)
-from ops.bench.serve_compare import (Workload, build_report, parse_workload, plan_passes,
-                                     round_order)
+from ops.bench.serve_compare import Workload, parse_workload, plan_passes, round_order
+from ops.bench.serve_report import build_report, figures
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -148,11 +148,11 @@ def test_the_leading_system_alternates_between_rounds():
 
 
 def _pass(system, rnd, index, tok_s, ttft, tpot, cpu, workload="main", failed=0):
-    summary = {"output_throughput": tok_s, "ttft_ms": {"p50": ttft}, "tpot_ms": {"p50": tpot},
-               "failed": failed}
+    summary = {"output_throughput": tok_s, "ttft_ms": {"p50": ttft, "mean": ttft + 10},
+               "tpot_ms": {"p50": tpot}, "failed": failed}
     return {"system": system, "round": rnd, "workload": workload, "pass": index,
             "kind": "first" if index == 0 else "warm", "summary": summary,
-            "figures": {"output_tok_s": tok_s, "ttft_p50_ms": ttft, "tpot_p50_ms": tpot},
+            "figures": figures(summary),
             "cpu_s": cpu, "client_cpu_s": 0.5 + index}
 
 
@@ -169,14 +169,17 @@ def test_report_medians_first_over_warm_and_ratios_by_round():
                         failed=3))
     report = build_report(passes, ["pagoda", "vllm"])
     p, v, c = report["main"]["pagoda"], report["main"]["vllm"], report["main"]["pagoda_over_vllm"]
-    assert p["first"] == {"output_tok_s": 75.0, "ttft_p50_ms": 400, "tpot_p50_ms": 40}
+    assert p["first"] == {"output_tok_s": 75.0, "ttft_p50_ms": 400, "ttft_mean_ms": 410,
+                          "tpot_p50_ms": 40}
     # warm: 90, 110 (round 0) and 180, 220 (round 1)
-    assert p["warm"] == {"output_tok_s": 145.0, "ttft_p50_ms": 150.0, "tpot_p50_ms": 15.0}
+    assert p["warm"] == {"output_tok_s": 145.0, "ttft_p50_ms": 150.0, "ttft_mean_ms": 160.0,
+                         "tpot_p50_ms": 15.0}
     assert p["first_over_warm"]["output_tok_s"] == pytest.approx(75 / 145)
     assert p["first_over_warm"]["ttft_p50_ms"] == pytest.approx(400 / 150)
     assert v["warm"]["output_tok_s"] == 150.0
     assert c["output_tok_s"] == pytest.approx(145 / 150)
     assert c["tpot_p50_ms"] == pytest.approx(1.0)
+    assert c["ttft_mean_ms"] == pytest.approx(160 / 160)
     assert c["output_tok_s_by_round"] == pytest.approx([1.0, 1.0])  # each round's own medians
     # CPU: median per pass by role, a role absent from a pass counted as 0 there.
     assert p["cpu_s_per_pass"]["warm"] == {"gateway": 0.5, "worker": 3.0, "client": 2.0}
