@@ -12,10 +12,13 @@
  *
  * Layout: W [N, K] is packed into panels of 32 output columns; a panel is K rows of 32 floats
  * (128 bytes, two vectors), contiguous, so a panel is one sequential read. Threads split the
- * panels; rows go through in chunks whose x stays in L2, 12 rows at a time against a panel (24
- * accumulator vectors; per K value, two panel loads and twelve broadcasts feed 24 FMAs; on a
- * core with two FMA units 12 rows ran the model's shapes 5-10% faster than 8, and 14 no faster
- * than 12). With
+ * panels; rows go through in chunks whose x stays in L2, 8 or 12 rows at a time against a panel
+ * (16 or 24 accumulator vectors; per K value, two panel loads and a broadcast per row feed two
+ * FMAs per row). Which height runs faster depends on the core, so it is set at run time
+ * (set_matmul_f32_rows; panels.py times both): on a core with two 512-bit FMA units (a Xeon)
+ * 12 rows ran the model's shapes 5-10% faster than 8 (and 14 no faster than 12); on a Zen 4,
+ * whose 512-bit FMAs take both of its 256-bit units, 8 rows ran 64-row products 3-12% faster
+ * than 12. With
  * `gate_up` (the fused gate/up projection) panel p holds gate columns 16p.. in its first 16
  * and the matching up columns in its last 16, so the epilogue forms SiLU(gate) * up.
  */
@@ -33,7 +36,7 @@
 #define PACE_BLOCKS 4     /* the next panel is fetched over a chunk's first 4 blocks */
 #define PANEL 32          /* output columns per panel */
 #define ROW_CHUNK 256     /* rows a thread takes against its panels before the next chunk */
-#define ROWS 12           /* rows per block: 24 accumulator vectors */
+#define MAX_ROWS 12       /* the tallest block: 24 accumulator vectors */
 #ifndef PREFETCH_K
 #define PREFETCH_K 32     /* K values (4 KiB of panel) the first block fetches ahead */
 #endif
@@ -142,9 +145,17 @@ DEFINE_BLOCK(9) DEFINE_BLOCK(10) DEFINE_BLOCK(11) DEFINE_BLOCK(12)
 
 typedef void (*block_fn)(const float *, int64_t, const float *, int64_t, int, const float *,
                          int64_t, const float *, int64_t, int64_t, int, float *, int64_t);
-static const block_fn blocks[ROWS + 1] = {NULL, block_1, block_2, block_3, block_4,
+static const block_fn blocks[MAX_ROWS + 1] = {NULL, block_1, block_2, block_3, block_4,
                                           block_5, block_6, block_7, block_8,
                                           block_9, block_10, block_11, block_12};
+
+static int block_rows = MAX_ROWS;  /* rows per block: 8 or 12 (see the top) */
+
+int set_matmul_f32_rows(int rows) {
+    if (rows != 8 && rows != 12) return -1;
+    block_rows = rows;
+    return 0;
+}
 
 /* y [m, n] (or [m, n/2] with gate_up) = x [m, k] (rows x_stride apart) W^T + bias, W packed by
  * matmul_f32_pack. Returns -1 for shapes it cannot run. */
@@ -153,6 +164,7 @@ int matmul_f32(const float *x, int64_t x_stride, int64_t m, const float *packed,
     if (n % PANEL || k <= 0) return -1;
     if (m <= 0) return 0;
     const int64_t panels = n / PANEL, y_cols = gate_up ? n / 2 : n;
+    const int R = block_rows;
     #pragma omp parallel
     for (int64_t chunk = 0; chunk < m; chunk += ROW_CHUNK) {
         const int64_t chunk_end = chunk + ROW_CHUNK < m ? chunk + ROW_CHUNK : m;
@@ -162,12 +174,12 @@ int matmul_f32(const float *x, int64_t x_stride, int64_t m, const float *packed,
             const float *panel = packed + p * k * PANEL;
             const float *next = p + 1 < panels ? panel + k * PANEL : NULL;
             /* The next panel's 2k cache lines, split over the first blocks, at most k to a
-             * block: a lone block (12 rows or fewer) fetches the first half, which ran faster
+             * block: a lone block (a block's rows or fewer) fetches the first half, which ran faster
              * at batch 8-12 than fetching it all (the first block's own stream takes the rest). */
-            const int64_t nb = (chunk_end - chunk + ROWS - 1) / ROWS, lines = 2 * k;
+            const int64_t nb = (chunk_end - chunk + R - 1) / R, lines = 2 * k;
             const int64_t paced = nb < PACE_BLOCKS ? nb : PACE_BLOCKS;
-            for (int64_t blk = 0, r0 = chunk; r0 < chunk_end; r0 += ROWS, blk++) {
-                const int rows = (int)(chunk_end - r0 < ROWS ? chunk_end - r0 : ROWS);
+            for (int64_t blk = 0, r0 = chunk; r0 < chunk_end; r0 += R, blk++) {
+                const int rows = (int)(chunk_end - r0 < R ? chunk_end - r0 : R);
                 const int64_t l0 = blk < paced ? lines * blk / paced : 0;
                 const int64_t l1 = blk < paced ? lines * (blk + 1) / paced : 0;
                 const int64_t fetch_lines = !next ? 0 : l1 - l0 < k ? l1 - l0 : k;
@@ -185,6 +197,11 @@ int matmul_f32_available(void) { return 1; }
 #else /* no AVX-512: callers keep oneDNN or MKL */
 
 int matmul_f32_available(void) { return 0; }
+
+int set_matmul_f32_rows(int rows) {
+    (void)rows;
+    return -1;
+}
 
 int matmul_f32_pack(const float *w, int64_t n, int64_t k, int gate_up, float *out) {
     (void)w, (void)n, (void)k, (void)gate_up, (void)out;

@@ -67,6 +67,19 @@ def set_bf16_matmul_path(path: str) -> None:
         lib.set_matmul_bf16_loop(_BF16_PATHS.index(path))
 
 
+F32_BLOCK_ROWS = (8, 12)  # the heights of the fp32 panel matmul's blocks (matmul_f32.c)
+
+
+def set_f32_block_rows(rows: int) -> None:
+    """Run the fp32 panel matmul `rows` rows a block (8 or 12: which is faster depends on the
+    core's FMA units; `linear.fp32_layout` times both); takes effect at the next call."""
+    if rows not in F32_BLOCK_ROWS:
+        raise ValueError(f"fp32 matmul block rows must be one of {F32_BLOCK_ROWS}, got {rows!r}")
+    set_rows = _function("set_matmul_f32_rows", None)
+    if set_rows is not None:
+        set_rows(rows)
+
+
 # By weight dtype: the C prefix, and whether its panels may be packed and run here.
 _KERNELS = {torch.bfloat16: ("matmul_bf16", lambda: _bf16_on and bf16_matmul_available()),
             torch.float32: ("matmul_f32", lambda: _f32_on and f32_matmul_available())}
