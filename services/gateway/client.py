@@ -69,7 +69,6 @@ class AsyncEngineClient:
         stack's liveness timeout): how long the engine may leave its control socket
         unanswered before it counts as away."""
         self.stack = stack or StackConfig()
-        self.output_timeout_s = output_timeout_s
         self.ack_timeout_s = ack_timeout_s
         self.max_resubmits = max_resubmits
         self.engine_timeout_s = (self.stack.liveness_timeout_s if engine_timeout_s is None
@@ -111,6 +110,16 @@ class AsyncEngineClient:
         """Start watching the engine now (a server calls this at start-up), rather than at the
         first request, so that the time the engine has been away is known from the start."""
         self._ensure_tasks()
+
+    @property
+    def output_timeout_s(self) -> float:
+        """How long a request may go without output (see `__init__`); the watch gives up on an
+        engine away this long."""
+        return self.watch.output_timeout_s
+
+    @output_timeout_s.setter
+    def output_timeout_s(self, seconds: float) -> None:
+        self.watch.output_timeout_s = seconds
 
     @property
     def engine_ok(self) -> bool:
