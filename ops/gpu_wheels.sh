@@ -3,7 +3,7 @@
 # pagoda, into .whl/ (ignored by git), for ops/gpu_check.sh to install there. The machine has
 # torch, triton, transformers, safetensors, numpy, msgpack, prometheus-client, pyyaml, tqdm,
 # httpx, anyio, h11 and click (/work/.library/device/KINDS.md), but none of:
-#   pyzmq, structlog                      every process: sockets, logging (shared/config.py)
+#   pyzmq, structlog                      every process: sockets, logging (shared/logging.py)
 #   pydantic (+ core, annotated-types,    the gateway's request schemas
 #     typing-inspection, typing-extensions: pydantic-core needs >= 4.16)
 #   fastapi, starlette, opentelemetry-api the gateway's app

@@ -10,7 +10,7 @@ head h // (num_heads // num_kv_heads). Layouts, as in the reference:
   key_cache / value_cache  [num_blocks, block_size, num_kv_heads, head_dim]
   block_tables             [num_seqs, max_blocks] int32/int64, padded with block 0
   query_start_loc          [num_seqs + 1]; context_lens, seq_lens [num_seqs] (int32/int64)
-An 8-bit cache is read as the decode kernel reads it (paged_attention.py).
+An 8-bit cache is read as the decode kernel reads it (kv_tiles.py).
 
 How the work is split:
   * Grid (query tiles, num_kv_heads, num_seqs), query tiles = cdiv(max_query_len,
@@ -52,8 +52,8 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     BLOCK_M: tl.constexpr,  # rows per program: (token, head) pairs, a power of two >= GROUP
     BLOCK_N: tl.constexpr,  # keys per tile
-    UPCAST_DOT: tl.constexpr,  # see paged_attention.dot_fp32
-    CACHE_FORMAT: tl.constexpr,  # see paged_attention.CACHE_FORMATS
+    UPCAST_DOT: tl.constexpr,  # see kv_tiles.dot_fp32
+    CACHE_FORMAT: tl.constexpr,  # see kv_tiles.CACHE_FORMATS
 ):
     TOKENS_PER_TILE: tl.constexpr = BLOCK_M // GROUP
     query_tile = tl.program_id(0)

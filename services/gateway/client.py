@@ -71,8 +71,6 @@ class AsyncEngineClient:
         self.stack = stack or StackConfig()
         self.ack_timeout_s = ack_timeout_s
         self.max_resubmits = max_resubmits
-        self.engine_timeout_s = (self.stack.liveness_timeout_s if engine_timeout_s is None
-                                 else engine_timeout_s)
         self.probe_interval_s = probe_interval_s
         self.curve = self.stack.curve  # None: CURVE off, or this process's keys (shared.curve)
         self.ctx = zmq.asyncio.Context()
@@ -100,7 +98,8 @@ class AsyncEngineClient:
         self.closed = False
         self._heartbeat = GatewayHeartbeat(self.stack, self.gateway_id, self.curve)
         self.watch = EngineWatch(self.stack, self.streams, output_timeout_s,
-                                 self.engine_timeout_s)
+                                 self.stack.liveness_timeout_s if engine_timeout_s is None
+                                 else engine_timeout_s)
         self.num_resubmits = 0  # requests sent again for want of an acknowledgement
         self.num_resumed = 0  # requests sent again, with their output, to a new engine
         self.num_resumed_tokens = 0  # the output tokens they carried
@@ -120,6 +119,16 @@ class AsyncEngineClient:
     @output_timeout_s.setter
     def output_timeout_s(self, seconds: float) -> None:
         self.watch.output_timeout_s = seconds
+
+    @property
+    def engine_timeout_s(self) -> float:
+        """How long the engine may leave its control socket unanswered before it counts as
+        away (the watch's, like `output_timeout_s`)."""
+        return self.watch.engine_timeout_s
+
+    @engine_timeout_s.setter
+    def engine_timeout_s(self, seconds: float) -> None:
+        self.watch.engine_timeout_s = seconds
 
     @property
     def engine_ok(self) -> bool:
@@ -306,7 +315,7 @@ class AsyncEngineClient:
         if self._reader is None or self._reader.done():
             self._reader = loop.create_task(self._read_results(), context=contextvars.Context())
         if self._watchdog is None or self._watchdog.done():
-            self._watchdog = loop.create_task(self.watch.run(self.probe_interval_s),
+            self._watchdog = loop.create_task(self.watch.run(lambda: self.probe_interval_s),
                                               context=contextvars.Context())
         self._heartbeat.start()
 

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import functools
 import time
+from collections.abc import Callable
 
 from shared.logging import get_logger
 from shared.sockets import probe_health
@@ -78,14 +79,17 @@ class EngineWatch:
                     503, f"the engine has not been available for {self.away_s():.0f} s; "
                          f"retry later", request_id)
             with contextlib.suppress(asyncio.TimeoutError):
-                async with asyncio.timeout(left):  # not `wait_for` (AsyncEngineClient.generate says why)
+                # Not `wait_for`: AsyncEngineClient.generate says why.
+                async with asyncio.timeout(left):
                     await self._back.wait()
 
     # -- probing -------------------------------------------------------------------------------
-    async def run(self, probe_interval_s: float) -> None:
+    async def run(self, probe_interval_s: Callable[[], float]) -> None:
+        """Probe forever, `probe_interval_s()` apart (read each time: the client may change
+        it)."""
         while True:
             await self.probe()
-            await asyncio.sleep(probe_interval_s)
+            await asyncio.sleep(probe_interval_s())
 
     async def probe(self) -> None:
         """Probe every engine replica once. When another engine process answers for one,
