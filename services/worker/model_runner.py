@@ -207,13 +207,6 @@ class ModelRunner:
         input_ids, positions, meta, staged = prepare_inputs(
             rows, self.block_size, self.staging,
             draw.arrays.arrays if draw is not None and draw.arrays is not None else None)
-        forward = self.model if self.decode_graphs is None else self.decode_graphs
-        # Quantized matmuls pick their path by rows: with proposals, the path of the step
-        # without them (services/worker/models/plain_rows.py).
-        num_proposed = sum(len(row.proposals or ()) for row in rows)
-        with plain_step_rows(len(input_ids) - num_proposed if num_proposed else None):
-            hidden = forward(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
-
         # 1) Which hidden rows need logits: the last token of every sequence that samples, and
         #    every position of a prompt chunk whose request asked for prompt logprobs.
         sample_idx, prompt_lp_rows = [], []
@@ -228,11 +221,32 @@ class ModelRunner:
             if row.group.is_prompt and row.state.request.params.prompt_logprobs is not None:
                 prompt_lp_rows.append((row, offset))
             offset += row.num_tokens
+        logit_rows = sample_idx + spec_idx
+
+        # 2) The forward pass. When only the logit rows are wanted from it (no prompt logprobs)
+        #    and they are fewer than its tokens (a step with prompt chunks), the last layer runs
+        #    o_proj and the MLP for those rows alone: a 128-token prompt's last layer then
+        #    costs its QKV and attention, not 128 rows of MLP.
+        keep = (torch.tensor(logit_rows, dtype=torch.long, device=input_ids.device)
+                if logit_rows and not prompt_lp_rows and len(logit_rows) < len(input_ids)
+                and self.model.model.prunes_last_layer else None)
+        forward = (self.model if self.decode_graphs is None or keep is not None
+                   else self.decode_graphs)
+        # Quantized matmuls pick their path by rows: with proposals, the path of the step
+        # without them (services/worker/models/plain_rows.py).
+        num_proposed = sum(len(row.proposals or ()) for row in rows)
+        with plain_step_rows(len(input_ids) - num_proposed if num_proposed else None):
+            if keep is None:
+                hidden = forward(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
+            else:
+                hidden = forward(input_ids, positions, self.kv_caches, meta, keep)
+
         logits = None  # [sampled rows, then every position of the verifying rows, vocab]
-        if sample_idx or spec_idx:
+        if logit_rows:
             # One head call, as in a plain step, whose path it takes.
             with plain_step_rows(len(sample_rows) + len(spec_rows) if spec_rows else None):
-                logits = self.model.compute_logits(hidden[sample_idx + spec_idx])
+                logits = self.model.compute_logits(hidden if keep is not None
+                                                   else hidden[logit_rows])
         num_sampled = len(sample_idx)
         if draw is not None:
             self.step_sampler.draw(draw, None if logits is None else logits[:num_sampled],

@@ -113,10 +113,12 @@ class LayerWorkspace:
 
 def forward_blocks(layer: "LlamaDecoderLayer", blocks: LayerBlocks, positions: torch.Tensor,
                    x: torch.Tensor, residual: torch.Tensor | None, kv_cache, meta: AttentionMetadata,
-                   ws: LayerWorkspace) -> tuple[torch.Tensor, torch.Tensor]:
+                   ws: LayerWorkspace,
+                   keep_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The layer's `forward` with the work before attention and the work after it in one C call
-    each: the same kernels, without the interpreter between them. Returns ws.out as the MLP
-    output, which the next layer reads before overwriting it."""
+    each: the same kernels, without the interpreter between them. Returns (a view of) ws.out as
+    the MLP output, which the next layer reads before overwriting it; with `keep_rows`, only
+    those rows go on past attention, as in the layer's `forward`."""
     attn = layer.self_attn
     norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
     cpu_kernels.attention_input(blocks.qkv, x, residual, norm1.weight, norm1.eps, positions,
@@ -125,11 +127,15 @@ def forward_blocks(layer: "LlamaDecoderLayer", blocks: LayerBlocks, positions: t
     if residual is None:  # the first layer: the residual stream starts as its input
         residual = x
     out = attn.attend(*attn.split_heads(ws.qkv), kv_cache, meta)
+    if keep_rows is not None:  # indexing copies: `residual` is not updated in place then
+        out, residual = out[keep_rows], residual[keep_rows]
     if not out.is_contiguous():
         out = out.contiguous()
+    n = out.shape[0]
     cpu_kernels.attention_output_mlp(blocks.o, blocks.gate_up, blocks.down, out, residual,
-                                     norm2.weight, norm2.eps, ws.h, ws.gu, ws.act, ws.out)
-    return ws.out, residual
+                                     norm2.weight, norm2.eps, ws.h[:n],
+                                     None if ws.gu is None else ws.gu[:n], ws.act[:n], ws.out[:n])
+    return ws.out[:n], residual
 
 
 class DecodeStep:

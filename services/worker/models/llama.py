@@ -147,7 +147,8 @@ class LlamaAttention(nn.Module):
         self.attn_backend = attn_backend
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache | None,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, keep_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """-> [T, hidden], or with `keep_rows` only those rows of it."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
@@ -156,7 +157,10 @@ class LlamaAttention(nn.Module):
                                             self.head_dim))
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        return all_reduce(self.o_proj(self.attend(q, k, v, kv_cache, meta)), self.group)
+        out = self.attend(q, k, v, kv_cache, meta)
+        if keep_rows is not None:
+            out = out[keep_rows]
+        return all_reduce(self.o_proj(out), self.group)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kv_cache: KVCache | None, meta: AttentionMetadata) -> torch.Tensor:
@@ -206,16 +210,20 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(c, dtype, shard, group)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                kv_cache: KVCache | None,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+                kv_cache: KVCache | None, meta: AttentionMetadata,
+                keep_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (this layer's MLP output, the residual stream before it); their sum is the
-        layer's output, formed by the next norm."""
+        layer's output, formed by the next norm. With `keep_rows`, every token still goes
+        through attention (the cache needs its K and V), and only those rows go on through
+        o_proj and the MLP."""
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, kv_cache, meta)
+        x = self.self_attn(positions, x, kv_cache, meta, keep_rows)
+        if keep_rows is not None:
+            residual = residual[keep_rows]
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -248,7 +256,11 @@ class LlamaModel(nn.Module):
         self.use_blocks = ready
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache] | None, meta: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[KVCache] | None, meta: AttentionMetadata,
+                keep_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """-> the final norm's output [T, hidden], or with `keep_rows` (row indices, in the
+        order wanted) only those rows: the last layer then runs o_proj and the MLP for them
+        alone (see `prunes_last_layer`)."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
         residual = None
         blocks = self.layer_blocks if self.use_blocks and cpu_kernels.available_for(x) else None
@@ -256,14 +268,31 @@ class LlamaModel(nn.Module):
             blocks = None
         if blocks is not None and self.use_decode_step and self.decode_step.runs(x, kv_caches,
                                                                                 meta):
-            return self.decode_step(x, positions, kv_caches, meta)
+            hidden = self.decode_step(x, positions, kv_caches, meta)
+            return hidden if keep_rows is None else hidden[keep_rows]
         ws = LayerWorkspace.allocate(blocks[0], x.shape[0]) if blocks is not None else None
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             kv_cache = kv_caches[i] if kv_caches is not None else None
-            x, residual = (layer(positions, x, residual, kv_cache, meta) if ws is None else
+            keep = keep_rows if i == last else None
+            x, residual = (layer(positions, x, residual, kv_cache, meta, keep) if ws is None else
                            forward_blocks(layer, blocks[i], positions, x, residual, kv_cache,
-                                          meta, ws))
+                                          meta, ws, keep))
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
+
+    @property
+    def prunes_last_layer(self) -> bool:
+        """Whether `forward` may take `keep_rows`. Not with tensor parallelism (every rank
+        would have to keep the same rows for the sums over ranks), nor where the last layer has
+        a quantized weight: those kernels pick their path by the rows of x
+        (models/plain_rows.py), so fewer rows could round a kept row differently. The panel
+        kernels give a row the same bits at any row count."""
+        last = self.layers[-1]
+        attn, mlp = last.self_attn, last.mlp
+        if attn.group is not None or mlp.group is not None:
+            return False
+        return all(m.packed is None or m.packed.kind in ("bf16", "f32", "onednn")
+                   for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
 
 
 # Hugging Face projection name -> (our fused projection, index of its slice).
@@ -301,9 +330,11 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache] | None, attn_metadata: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions [T] -> hidden states after the final norm [T, hidden]."""
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+                kv_caches: list[KVCache] | None, attn_metadata: AttentionMetadata,
+                keep_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions [T] -> hidden states after the final norm [T, hidden], or only
+        the rows `keep_rows` (LlamaModel.forward)."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata, keep_rows)
 
     @torch.inference_mode()
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
