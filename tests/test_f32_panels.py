@@ -53,6 +53,23 @@ def test_f32_panel_linear_equals_f_linear(k, bias, gate_up):
             assert close(out, expected), rows
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+def test_f32_panel_logits_stored_around_the_caches_are_the_cached_stores_bits(bias):
+    # 16,384 columns from 128 rows (8 MiB) are streamed (matmul_f32.c, STREAM_MIN_*); the same
+    # rows a few at a time are not, and each row's sums run in the same order either way.
+    g = torch.Generator().manual_seed(16)
+    n, k = 16384, 64
+    weight = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    packed = cpu_kernels.pack_f32_weight(weight)
+    x = torch.randn(160, k, generator=g)
+    streamed = cpu_kernels.f32_linear(x, packed, b, n, False)
+    cached = torch.cat([cpu_kernels.f32_linear(x[i:i + 8], packed, b, n, False)
+                        for i in range(0, 160, 8)])
+    assert torch.equal(streamed, cached)
+    assert close(streamed, F.linear(x, weight, b))
+
+
 def test_f32_panel_silu_and_mul_at_the_extremes():
     """Gates far into SiLU's tails (exp overflowing and underflowing) and at zero: identity
     weights make the gate and up halves equal x, so the result is SiLU(x) * x."""
