@@ -12,11 +12,13 @@ from proto.requests import ResumedOutput
 from shared.config import PagodaConfig
 from shared.engine_args import EngineArgs
 from shared.incremental_detokenizer import IncrementalDetokenizer
-from shared.outputs import CompletionOutput, RequestOutput
+from shared.outputs import RequestOutput
 from shared.sampling_params import SamplingParams
 from shared.structured_output import check_supported
 from shared.tokenizer import eos_token_ids, get_tokenizer
 from services.engine.executor import Executor
+from services.engine.in_flight import may_submit, must_collect
+from services.engine.request_output import request_output
 from services.engine.resume import resume_outputs
 from services.engine.scheduler import ScheduledSequenceGroup, Scheduler, SchedulerOutputs
 from services.engine.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -49,19 +51,6 @@ class EngineStats:
     total_prompt_tokens: int
     total_generation_tokens: int
     spec_decode: SpecDecodeStats | None = None  # with speculative decoding on
-
-
-def may_submit(in_flight: deque) -> bool:
-    """Whether a loop that keeps a step in flight (the engine service's, `step_async`) may
-    schedule and submit another step: fewer than two submitted, and not behind a speculative
-    step, whose added tokens are known only once it is read."""
-    return len(in_flight) < 2 and not (in_flight and in_flight[-1].num_lookahead_slots)
-
-
-def must_collect(in_flight: deque, submitted: bool) -> bool:
-    """Whether that loop reads its oldest step now: two are in flight, or nothing was
-    submitted this turn."""
-    return bool(in_flight) and (len(in_flight) == 2 or not submitted)
 
 
 class LLMEngine:
@@ -357,25 +346,7 @@ class LLMEngine:
 
     # -- outputs -------------------------------------------------------------------------------
     def request_output(self, group: SequenceGroup) -> RequestOutput:
-        finished = group.is_finished()
-        params = group.sampling_params
-        completions = []
-        for seq in sorted(group.seqs, key=lambda s: s.sample_index):
-            text = seq.output_text
-            if not params.stop and finished and self.tokenizer is not None:
-                # Without stop strings nothing needs text before the end: decode once.
-                text = self.tokenizer.decode(seq.output_token_ids,
-                                             skip_special_tokens=params.skip_special_tokens)
-            completions.append(CompletionOutput(
-                index=seq.sample_index, text=text, token_ids=list(seq.output_token_ids),
-                cumulative_logprob=seq.cumulative_logprob,
-                logprobs=seq.output_logprobs if params.logprobs is not None else None,
-                finish_reason=seq.status.finish_reason, stop_reason=seq.stop_reason))
-        return RequestOutput(
-            request_id=group.request_id, prompt=group.prompt,
-            prompt_token_ids=group.prompt_token_ids, prompt_logprobs=group.prompt_logprobs,
-            outputs=completions, finished=finished, metrics=group.metrics,
-            num_cached_tokens=group.num_cached_tokens or 0, error=group.error)
+        return request_output(group, self.tokenizer)
 
     def _forget(self, group: SequenceGroup) -> None:
         if self.groups.get(group.request_id) is group:  # not a later request of the same id

@@ -57,7 +57,7 @@ from shared.sockets import ControlServer, PushRoutes, bind, make_socket, unlink_
 from shared.stack_config import StackConfig
 from services.engine.executor.zmq_executor import WorkerLost, ZmqExecutor
 from services.engine.fault_recovery import FaultRecovery
-from services.engine.llm_engine import may_submit, must_collect
+from services.engine.in_flight import may_submit, must_collect
 from services.engine.output_delivery import OutputDelivery
 
 log = get_logger("engine")
