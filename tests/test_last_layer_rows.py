@@ -8,10 +8,9 @@ import torch
 
 from pagoda import LLM, SamplingParams
 from pagoda_kernels import cpu as cpu_kernels
-from services.worker.models import linear as linear_module
 from services.worker.models.llama import LlamaModel
 from tests.helpers import PagedBatchPlanner, PagedSequence
-from tests.test_layer_blocks import tiny_model
+from tests.test_layer_blocks import tiny_model, use_panels
 
 if cpu_kernels.load() is None:
     pytest.skip(f"cpu kernels unavailable: {cpu_kernels.unavailable_reason()}",
@@ -55,15 +54,7 @@ def _pass_twice(model, mode):
 @pytest.mark.parametrize("kind,dtype", [("f32", torch.float32), ("bf16", torch.bfloat16)])
 @pytest.mark.parametrize("mode", ["blocks", "modules"])
 def test_kept_rows_are_the_whole_passes_rows_to_the_bit(kind, dtype, mode, request):
-    if kind == "bf16" and not cpu_kernels.bf16_matmul_available():
-        pytest.skip("bf16 panels need a CPU with AVX512-BF16")
-    if kind == "f32":
-        if not cpu_kernels.f32_matmul_available():
-            pytest.skip("fp32 panels need a CPU with AVX-512")
-        before = linear_module._fp32_layout
-        linear_module.set_fp32_layout("panels")
-        request.addfinalizer(lambda: linear_module.set_fp32_layout(before))
-    model = tiny_model(kind, dtype)
+    model = tiny_model(use_panels(kind, request), dtype)
     assert model.model.layers[-1].mlp.down_proj.packed.kind == kind
     assert model.model.prunes_last_layer
     whole, kept = _pass_twice(model, mode)

@@ -106,22 +106,29 @@ CASES = [(kind, dtype) for kind in KINDS for dtype in (torch.float32, torch.bflo
          and not (kind == "f32" and dtype != torch.float32)]
 
 
-@pytest.mark.parametrize("kind,dtype", CASES,
-                         ids=[f"{k}-{str(d)[6:]}" for k, d in CASES])
-def test_a_decode_step_in_one_call_blocks_and_modules_give_the_same_logits(kind, dtype,
-                                                                           monkeypatch, request):
+def use_panels(kind: str, request) -> str:
+    """Skips where the CPU lacks the panels `kind` names; sets up their path for this test (put
+    back after it). Returns the kind tiny_model takes ("bf16-dot" is "bf16" on the dot loop)."""
     if kind.startswith("bf16") and not cpu_kernels.bf16_matmul_available():
         pytest.skip("bf16 panels need a CPU with AVX512-BF16")
     if kind == "bf16-dot":
         cpu_kernels.set_bf16_matmul_path("dot")
         request.addfinalizer(lambda: cpu_kernels.set_bf16_matmul_path("amx"))
-        kind = "bf16"
+        return "bf16"
     if kind == "f32":
         if not cpu_kernels.f32_matmul_available():
             pytest.skip("fp32 panels need a CPU with AVX-512")
         before = linear_module._fp32_layout
         linear_module.set_fp32_layout("panels")
         request.addfinalizer(lambda: linear_module.set_fp32_layout(before))
+    return kind
+
+
+@pytest.mark.parametrize("kind,dtype", CASES,
+                         ids=[f"{k}-{str(d)[6:]}" for k, d in CASES])
+def test_a_decode_step_in_one_call_blocks_and_modules_give_the_same_logits(kind, dtype,
+                                                                           monkeypatch, request):
+    kind = use_panels(kind, request)
     model = tiny_model(kind, dtype, bias=kind in ("int8", "Q4_0", "f32"))
     assert model.model.use_blocks and model.model.layer_blocks is not None
     if kind in ("bf16", "f32"):
