@@ -64,6 +64,7 @@ def test_f32_panel_logits_stored_around_the_caches_are_the_cached_stores_bits(bi
     packed = cpu_kernels.pack_f32_weight(weight)
     x = torch.randn(160, k, generator=g)
     streamed = cpu_kernels.f32_linear(x, packed, b, n, False)
+    assert streamed.data_ptr() % 64 == 0  # what streaming asks of the output
     cached = torch.cat([cpu_kernels.f32_linear(x[i:i + 8], packed, b, n, False)
                         for i in range(0, 160, 8)])
     assert torch.equal(streamed, cached)

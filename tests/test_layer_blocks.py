@@ -44,10 +44,12 @@ def _to_gguf(module: Linear, qtype_name: str) -> None:
     drop_plain_weight(module)
 
 
-def tiny_model(kind: str, dtype: torch.dtype, bias: bool = False) -> LlamaForCausalLM:
-    """A random 2-layer Llama on the CPU attention backend with its matmuls packed as `kind`."""
-    c = tiny_llama_config(**(K_CONFIG if kind == "Q4_K" else CONFIG), attention_bias=bias,
-                          mlp_bias=bias)
+def tiny_model(kind: str, dtype: torch.dtype, bias: bool = False,
+               num_layers: int = 2) -> LlamaForCausalLM:
+    """A random Llama (2 layers unless asked) on the CPU attention backend with its matmuls
+    packed as `kind`."""
+    shapes = dict(K_CONFIG if kind == "Q4_K" else CONFIG, num_hidden_layers=num_layers)
+    c = tiny_llama_config(**shapes, attention_bias=bias, mlp_bias=bias)
     head_dim = c.hidden_size // c.num_attention_heads
     backend = get_attn_backend("cpu", dtype=dtype, num_heads=c.num_attention_heads,
                                num_kv_heads=c.num_key_value_heads, head_dim=head_dim,

@@ -165,24 +165,13 @@ int set_matmul_f32_rows(int rows) {
     return 0;
 }
 
-/* y [m, n] (or [m, n/2] with gate_up) = x [m, k] (rows x_stride apart) W^T + bias, W packed by
- * matmul_f32_pack. Returns -1 for shapes it cannot run. */
-int matmul_f32(const float *x, int64_t x_stride, int64_t m, const float *packed,
-               const float *bias, int64_t n, int64_t k, int gate_up, float *y) {
-    if (n % PANEL || k <= 0) return -1;
-    if (m <= 0) return 0;
+/* One thread's share of matmul_f32, called in its parallel region (the panels split by an
+ * orphaned `omp for`); `stream`: outputs stored around the caches. */
+static void matmul_f32_share(const float *x, int64_t x_stride, int64_t m, const float *packed,
+                             const float *bias, int64_t n, int64_t k, int gate_up, int stream,
+                             float *y) {
     const int64_t panels = n / PANEL, y_cols = gate_up ? n / 2 : n;
     const int R = block_rows;
-    /* An LM head's logits (a vocabulary wide, megabytes at decode batch sizes) are written
-     * around the caches: nothing reads them until the sampler, after the whole matmul, and a
-     * cached store first reads each line it writes from memory. The head at 64 rows (49,152
-     * columns, 12.6 MB of logits) then took ~5% less time, a read of the logits after it
-     * included. Layer outputs, read by the next kernel at once, stay cached. */
-    const int stream = !gate_up && y_cols >= STREAM_MIN_COLS &&
-                       m * y_cols * (int64_t)sizeof(float) >= STREAM_MIN_BYTES &&
-                       ((uintptr_t)y & 63) == 0 && y_cols % 16 == 0;
-    #pragma omp parallel
-    {
     for (int64_t chunk = 0; chunk < m; chunk += ROW_CHUNK) {
         const int64_t chunk_end = chunk + ROW_CHUNK < m ? chunk + ROW_CHUNK : m;
         /* The same static split in every chunk: a thread reads the same panels again. */
@@ -206,7 +195,28 @@ int matmul_f32(const float *x, int64_t x_stride, int64_t m, const float *packed,
             }
         }
     }
-    if (stream) _mm_sfence(); /* streamed stores are weakly ordered: visible before the join */
+}
+
+/* y [m, n] (or [m, n/2] with gate_up) = x [m, k] (rows x_stride apart) W^T + bias, W packed by
+ * matmul_f32_pack. Returns -1 for shapes it cannot run. */
+int matmul_f32(const float *x, int64_t x_stride, int64_t m, const float *packed,
+               const float *bias, int64_t n, int64_t k, int gate_up, float *y) {
+    if (n % PANEL || k <= 0) return -1;
+    if (m <= 0) return 0;
+    const int64_t y_cols = gate_up ? n / 2 : n;
+    /* An LM head's logits (a vocabulary wide, megabytes at decode batch sizes) are written
+     * around the caches: nothing reads them until the sampler, after the whole matmul, and a
+     * cached store first reads each line it writes from memory. The head at 64 rows (49,152
+     * columns, 12.6 MB of logits) then took ~8% less time, a read of the logits after it
+     * included. Layer outputs, read by the next kernel at once, stay cached. Rows are n
+     * floats apart and panels 32 floats wide, so every store is aligned when y is. */
+    const int stream = !gate_up && y_cols >= STREAM_MIN_COLS &&
+                       m * y_cols * (int64_t)sizeof(float) >= STREAM_MIN_BYTES &&
+                       ((uintptr_t)y & 63) == 0;
+    #pragma omp parallel
+    {
+        matmul_f32_share(x, x_stride, m, packed, bias, n, k, gate_up, stream, y);
+        if (stream) _mm_sfence(); /* streamed stores are weakly ordered: done before the join */
     }
     return 0;
 }

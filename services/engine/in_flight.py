@@ -1,5 +1,4 @@
-"""When a loop that keeps steps in flight (the engine service's, LLMEngine.step_async) submits
-another step and when it reads the oldest back."""
+"""The rule for keeping a step in flight: at most two submitted, the older read back first."""
 from collections import deque
 
 

@@ -18,7 +18,7 @@ from shared.structured_output import check_supported
 from shared.tokenizer import eos_token_ids, get_tokenizer
 from services.engine.executor import Executor
 from services.engine.in_flight import may_submit, must_collect
-from services.engine.request_output import request_output
+from services.engine.request_output import build_request_output
 from services.engine.resume import resume_outputs
 from services.engine.scheduler import ScheduledSequenceGroup, Scheduler, SchedulerOutputs
 from services.engine.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -346,7 +346,7 @@ class LLMEngine:
 
     # -- outputs -------------------------------------------------------------------------------
     def request_output(self, group: SequenceGroup) -> RequestOutput:
-        return request_output(group, self.tokenizer)
+        return build_request_output(group, self.tokenizer)
 
     def _forget(self, group: SequenceGroup) -> None:
         if self.groups.get(group.request_id) is group:  # not a later request of the same id

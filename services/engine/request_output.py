@@ -3,7 +3,7 @@ from shared.outputs import CompletionOutput, RequestOutput
 from services.engine.sequence import SequenceGroup
 
 
-def request_output(group: SequenceGroup, tokenizer) -> RequestOutput:
+def build_request_output(group: SequenceGroup, tokenizer) -> RequestOutput:
     """The group's RequestOutput now. Without stop strings the text is decoded once, at the
     end (`tokenizer` None: no text); with them the incremental text is already there."""
     finished = group.is_finished()

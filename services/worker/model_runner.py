@@ -9,6 +9,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from proto.messages import (PLACEHOLDER, ExecuteModelRequest, PromptLogprobs, SamplerOutput,
@@ -204,49 +205,36 @@ class ModelRunner:
             return
         sample_rows = [row for row in rows if row.group.do_sample and not row.proposals]
         draw = self.step_sampler.plan(sample_rows, self.samples) if sample_rows else None
-        input_ids, positions, meta, staged = prepare_inputs(
-            rows, self.block_size, self.staging,
-            draw.arrays.arrays if draw is not None and draw.arrays is not None else None)
-        # 1) Which hidden rows need logits: the last token of every sequence that samples, and
-        #    every position of a prompt chunk whose request asked for prompt logprobs.
-        sample_idx, prompt_lp_rows = [], []
-        spec_rows, spec_idx = [], []  # rows that verify proposals: logits at every position
-        offset = 0
-        for row in rows:
-            if row.proposals:
-                spec_rows.append(row)
-                spec_idx.extend(range(offset, offset + row.num_tokens))
-            elif row.group.do_sample:
-                sample_idx.append(offset + row.num_tokens - 1)
-            if row.group.is_prompt and row.state.request.params.prompt_logprobs is not None:
-                prompt_lp_rows.append((row, offset))
-            offset += row.num_tokens
-        logit_rows = sample_idx + spec_idx
-
-        # 2) The forward pass. When only the logit rows are wanted from it (no prompt logprobs)
-        #    and they are fewer than its tokens (a step with prompt chunks), the last layer runs
-        #    o_proj and the MLP for those rows alone: a 128-token prompt's last layer then
-        #    costs its QKV and attention, not 128 rows of MLP.
-        keep = (torch.tensor(logit_rows, dtype=torch.long, device=input_ids.device)
-                if logit_rows and not prompt_lp_rows and len(logit_rows) < len(input_ids)
-                and self.model.model.prunes_last_layer else None)
+        heads = _plan_logit_rows(rows)
+        extra = dict(draw.arrays.arrays) if draw is not None and draw.arrays is not None else {}
+        num_tokens = sum(row.num_tokens for row in rows)
+        # The last layer for the logit rows alone (LlamaModel.forward's keep_rows): a step
+        # with prompt chunks, and nothing else wanted from its hidden states.
+        keep_rows = (heads.logit_rows and not heads.prompt_lp_rows
+                     and len(heads.logit_rows) < num_tokens and self.model.model.can_keep_rows)
+        if keep_rows:  # staged with the step's other arrays: one copy to a GPU
+            extra[_KEEP_ROWS] = np.asarray(heads.logit_rows, dtype=np.int64)
+        input_ids, positions, meta, staged = prepare_inputs(rows, self.block_size, self.staging,
+                                                            extra or None)
+        keep = staged.pop(_KEEP_ROWS, None)
         forward = (self.model if self.decode_graphs is None or keep is not None
                    else self.decode_graphs)
         # Quantized matmuls pick their path by rows: with proposals, the path of the step
         # without them (services/worker/models/plain_rows.py).
         num_proposed = sum(len(row.proposals or ()) for row in rows)
-        with plain_step_rows(len(input_ids) - num_proposed if num_proposed else None):
+        with plain_step_rows(num_tokens - num_proposed if num_proposed else None):
             if keep is None:
                 hidden = forward(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
             else:
-                hidden = forward(input_ids, positions, self.kv_caches, meta, keep)
+                hidden = forward(input_ids, positions, self.kv_caches, meta, keep)  # [rows]
 
+        sample_idx, spec_rows = heads.sample_idx, heads.spec_rows
         logits = None  # [sampled rows, then every position of the verifying rows, vocab]
-        if logit_rows:
+        if heads.logit_rows:
             # One head call, as in a plain step, whose path it takes.
             with plain_step_rows(len(sample_rows) + len(spec_rows) if spec_rows else None):
                 logits = self.model.compute_logits(hidden if keep is not None
-                                                   else hidden[logit_rows])
+                                                   else hidden[heads.logit_rows])
         num_sampled = len(sample_idx)
         if draw is not None:
             self.step_sampler.draw(draw, None if logits is None else logits[:num_sampled],
@@ -265,7 +253,7 @@ class ModelRunner:
             self.spec.verify(logits[num_sampled:], spec_rows, step.out)
         if request.num_lookahead_slots:
             self.spec.drop_lookahead_blocks(rows)
-        for row, start in prompt_lp_rows:
+        for row, start in heads.prompt_lp_rows:
             self._prompt_logprobs(row, hidden[start:start + row.num_tokens], step.out)
 
     @torch.inference_mode()
@@ -350,3 +338,35 @@ class LaunchedStep:
     def done(self) -> bool:
         """Whether `finish` would return without waiting for the device."""
         return self.draw is None or self.draw.ready is None or self.draw.ready.query()
+
+
+_KEEP_ROWS = "keep_rows"  # the logit rows' name among the arrays a step stages
+
+
+@dataclass
+class _LogitRows:
+    """Which of a step's hidden rows need logits (flat token indices)."""
+    sample_idx: list[int]  # the last token of every row that samples
+    spec_rows: list  # rows that verify proposals ...
+    spec_idx: list[int]  # ... and every position of theirs
+    prompt_lp_rows: list  # (row, its first index): prompt chunks whose request wants logprobs
+
+    @property
+    def logit_rows(self) -> list[int]:
+        """The rows the LM head takes, in the order its logits are read."""
+        return self.sample_idx + self.spec_idx
+
+
+def _plan_logit_rows(rows) -> _LogitRows:
+    heads = _LogitRows([], [], [], [])
+    offset = 0
+    for row in rows:
+        if row.proposals:
+            heads.spec_rows.append(row)
+            heads.spec_idx.extend(range(offset, offset + row.num_tokens))
+        elif row.group.do_sample:
+            heads.sample_idx.append(offset + row.num_tokens - 1)
+        if row.group.is_prompt and row.state.request.params.prompt_logprobs is not None:
+            heads.prompt_lp_rows.append((row, offset))
+        offset += row.num_tokens
+    return heads

@@ -260,7 +260,8 @@ class LlamaModel(nn.Module):
                 keep_rows: torch.Tensor | None = None) -> torch.Tensor:
         """-> the final norm's output [T, hidden], or with `keep_rows` (row indices, in the
         order wanted) only those rows: the last layer then runs o_proj and the MLP for them
-        alone (see `prunes_last_layer`)."""
+        alone (see `can_keep_rows`); a decode step in one C call computes every row and
+        returns those."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
         residual = None
         blocks = self.layer_blocks if self.use_blocks and cpu_kernels.available_for(x) else None
@@ -281,12 +282,13 @@ class LlamaModel(nn.Module):
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
     @property
-    def prunes_last_layer(self) -> bool:
-        """Whether `forward` may take `keep_rows`. Not with tensor parallelism (every rank
-        would have to keep the same rows for the sums over ranks), nor where the last layer has
-        a quantized weight: those kernels pick their path by the rows of x
-        (models/plain_rows.py), so fewer rows could round a kept row differently. The panel
-        kernels give a row the same bits at any row count."""
+    def can_keep_rows(self) -> bool:
+        """Whether `forward` may be given `keep_rows`. Not where the last layer has a quantized
+        weight: those kernels pick a path by the rows of x, and a speculative step must take
+        the plain step's path (models/plain_rows.py), which fewer rows could leave. Not under
+        tensor parallelism, where it has not been tried. Float weights may: the panel kernels
+        give a row the same bits at any row count; other libraries' matmuls (oneDNN, MKL,
+        cuBLAS) need not, as for any change in a step's batch."""
         last = self.layers[-1]
         attn, mlp = last.self_attn, last.mlp
         if attn.group is not None or mlp.group is not None:
