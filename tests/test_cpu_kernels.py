@@ -424,13 +424,18 @@ def onednn_only():
     cpu_kernels.set_bf16_matmul(True)
 
 
+needs_onednn_bf16 = pytest.mark.skipif(
+    not _onednn(torch.bfloat16),
+    reason="oneDNN packs bf16 weights only where it has bf16 instructions (AVX-512 or newer)")
+
+
+@needs_onednn_bf16
 @pytest.mark.parametrize("bias", [False, True])
 def test_onednn_packed_bf16_linear_equals_f_linear(bias, onednn_only):
     g = torch.Generator().manual_seed(0)
     weight = (torch.randn(384, 256, generator=g) * 0.05).to(torch.bfloat16)
     b = torch.randn(384, generator=g).to(torch.bfloat16) if bias else None
     packed = pack_weight(weight)
-    assert _onednn(torch.bfloat16)  # this machine's CPU has bf16 instructions: packing applies
     assert packed.kind == "onednn" and not packed.gate_up
     for rows in (1, 7, 64, 300):
         x = torch.randn(rows, 256, generator=g).to(torch.bfloat16)
@@ -569,13 +574,13 @@ def test_silu_and_mul_linear_module_with_bf16_panels_and_with_onednn():
 
 def test_shapes_the_bf16_panel_matmul_does_not_take_go_to_onednn():
     """N or K not a multiple of 32 (and anything on a CPU without AVX512-BF16) is packed for
-    oneDNN."""
+    oneDNN where oneDNN has bf16 instructions, and left to F.linear where it has not."""
     g = torch.Generator().manual_seed(8)
     for n, k in ((48, 64), (64, 40)):
         weight = torch.randn(n, k, generator=g).to(torch.bfloat16)
         assert cpu_kernels.pack_bf16_weight(weight) is None
         packed = pack_weight(weight)
-        assert packed.kind == "onednn"
+        assert (packed.kind == "onednn") if _onednn(torch.bfloat16) else packed is None
         x = torch.randn(5, k, generator=g).to(torch.bfloat16)
         assert bf16_ulps(linear(x, weight, None, packed), F.linear(x, weight)).max() <= 1
     assert cpu_kernels.pack_bf16_weight(torch.randn(64, 64)) is None  # fp32: not this kernel
@@ -619,7 +624,7 @@ def test_fp32_layer_weights_are_stored_transposed_where_that_layout_is_chosen(fp
 def test_fp32_layer_weights_packed_as_the_chosen_layout(gate_up, layout, fp32_layout_set):
     """oneDNN's packing (SiLU * up after it) or the fp32 panels (SiLU * up fused)."""
     if layout == "panels" and not cpu_kernels.f32_matmul_available():
-        pytest.skip("the fp32 panel matmul needs a CPU with AVX-512")
+        pytest.skip("the fp32 panel matmul needs a CPU with AVX-512 or AVX2 and FMA")
     fp32_layout_set(layout)
     g = torch.Generator().manual_seed(3)
     cls = SiluAndMulLinear if gate_up else Linear
@@ -670,33 +675,36 @@ def test_faster_fp32_layout_prefers_panels_then_transposed_on_a_tie():
 
 @pytest.fixture
 def f32_block_rows():
-    """Sets the fp32 panel matmul's block height for one test, then puts back the default
-    (the heights give the same bits, so a process's timed choice need not be restored)."""
+    """Sets the fp32 panel matmul's block height for one test, then puts back the one it ran
+    before."""
     if not cpu_kernels.f32_matmul_available():
-        pytest.skip("the fp32 panel matmul needs a CPU with AVX-512")
+        pytest.skip("the fp32 panel matmul needs a CPU with AVX-512 or AVX2 and FMA")
+    before = cpu_kernels.f32_block_rows_now()
     yield cpu_kernels.set_f32_block_rows
-    cpu_kernels.set_f32_block_rows(12)
+    cpu_kernels.set_f32_block_rows(before)
 
 
 @pytest.mark.parametrize("gate_up", [False, True])
 def test_fp32_panels_give_the_same_bits_at_either_block_height(gate_up, f32_block_rows):
-    """8 or 12 rows a block sum each output over K in the same order: the same bits, for row
-    counts that leave every tail height (and several row chunks)."""
+    """Either block height (8 or 12 rows with AVX-512, 4 or 6 with AVX2) sums each output over
+    K in the same order: the same bits, for row counts that leave every tail height (and
+    several row chunks)."""
     g = torch.Generator().manual_seed(4)
     weight = torch.randn(128, 96, generator=g)
     bias = torch.randn(128, generator=g)
     panels = cpu_kernels.pack_f32_weight(weight, gate_up)
+    low, tall = cpu_kernels.f32_block_rows()
     for rows in (*range(1, 26), 64, 300, 517):
         x = torch.randn(rows, 96, generator=g)
         out = {}
-        for height in cpu_kernels.F32_BLOCK_ROWS:
+        for height in (low, tall):
             f32_block_rows(height)
             out[height] = cpu_kernels.f32_linear(x, panels, bias, 128, gate_up)
         reference = F.linear(x, weight, bias)
         if gate_up:
             reference = silu_and_mul(reference)
-        assert torch.equal(out[8], out[12]), rows
-        assert torch.allclose(out[8], reference, rtol=1e-5, atol=1e-4), rows
+        assert torch.equal(out[low], out[tall]), rows
+        assert torch.allclose(out[low], reference, rtol=1e-5, atol=1e-4), rows
     with pytest.raises(ValueError, match="block rows"):
         f32_block_rows(16)
 

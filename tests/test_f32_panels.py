@@ -1,4 +1,4 @@
-"""The fp32 panel matmul (pagoda_kernels/cpu/matmul_f32.c): x W^T (+ bias), and SiLU(gate) * up for a
+"""The fp32 panel matmul (pagoda_kernels/cpu/matmul_f32.c, matmul_f32_avx2.c): x W^T (+ bias), and SiLU(gate) * up for a
 gate/up weight, against torch at the row counts of decode steps and prompts; what it does not
 take goes to oneDNN; the LM head takes it where the fp32 layout says panels (the layer modules:
 tests/test_cpu_kernels.py, test_fp32_layer_weights_packed_as_the_chosen_layout)."""
@@ -12,8 +12,8 @@ from services.worker.models.linear import linear, pack_weight
 from tests.test_cpu_kernels import silu_and_mul
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.f32_matmul_available(),
-                                reason="the fp32 panel matmul needs a CPU with AVX-512 (and the "
-                                       "C kernels built)")
+                                reason="the fp32 panel matmul needs a CPU with AVX-512 or AVX2 "
+                                       "and FMA (and the C kernels built)")
 
 
 @pytest.fixture
@@ -31,10 +31,22 @@ def close(out: torch.Tensor, expected: torch.Tensor) -> bool:
     return bool(((out - expected).abs() / scale).max() < 1e-5)
 
 
+@pytest.fixture(params=[0, 1], ids=["lower_blocks", "taller_blocks"])
+def block_rows(request):
+    """Each block height this build runs, for one test; the process's height put back after."""
+    heights = cpu_kernels.f32_block_rows()
+    assert len(heights) == 2
+    linear_module.fp32_layout()  # the process's height, timed first
+    before = cpu_kernels.f32_block_rows_now()
+    cpu_kernels.set_f32_block_rows(heights[request.param])
+    yield heights[request.param]
+    cpu_kernels.set_f32_block_rows(before)
+
+
 @pytest.mark.parametrize("gate_up", [False, True], ids=["plain", "gate_up"])
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
 @pytest.mark.parametrize("k", [32, 40, 576])
-def test_f32_panel_linear_equals_f_linear(k, bias, gate_up):
+def test_f32_panel_linear_equals_f_linear(k, bias, gate_up, block_rows):
     g = torch.Generator().manual_seed(k + 2 * bias + gate_up)
     n = 96
     weight = torch.randn(n, k, generator=g)

@@ -119,7 +119,7 @@ def use_panels(kind: str, request) -> str:
         return "bf16"
     if kind == "f32":
         if not cpu_kernels.f32_matmul_available():
-            pytest.skip("fp32 panels need a CPU with AVX-512")
+            pytest.skip("fp32 panels need a CPU with AVX-512 or AVX2 and FMA")
         before = linear_module._fp32_layout
         linear_module.set_fp32_layout("panels")
         request.addfinalizer(lambda: linear_module.set_fp32_layout(before))

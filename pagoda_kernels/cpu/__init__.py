@@ -25,7 +25,8 @@ from pagoda_kernels.cpu.gguf import gguf_dequantize, gguf_matmul, gguf_simd_avai
 from pagoda_kernels.cpu.panels import (bf16_linear, bf16_matmul_available, bf16_matmul_paths,
                                 f32_linear, f32_matmul_available, pack_bf16_weight,
                                 pack_f32_weight, set_bf16_matmul, set_bf16_matmul_path,
-                                F32_BLOCK_ROWS, set_f32_block_rows, set_f32_matmul)
+                                f32_block_rows, f32_block_rows_now, set_f32_block_rows,
+                                set_f32_matmul)
 from pagoda_kernels.cpu.int8 import (INT8_PATHS, int8_kernels_available, int8_linear, int8_paths,
                               pack_int8_weight, set_int8_path, unpack_int8_weight)
 
@@ -41,7 +42,8 @@ __all__ = [
     # pagoda_kernels/cpu/panels.py: the bf16 and fp32 panel matmuls
     "set_bf16_matmul", "bf16_matmul_available", "bf16_matmul_paths", "set_bf16_matmul_path",
     "pack_bf16_weight", "bf16_linear", "set_f32_matmul", "f32_matmul_available",
-    "pack_f32_weight", "f32_linear", "set_f32_block_rows", "F32_BLOCK_ROWS",
+    "pack_f32_weight", "f32_linear", "set_f32_block_rows", "f32_block_rows",
+    "f32_block_rows_now",
     # pagoda_kernels/cpu/blocks.py: the layer blocks
     "Q8_CACHE_CODES", "BlockLinear", "bf16_block_linear", "f32_block_linear", "int8_block_linear",
     "gguf_block_linear",

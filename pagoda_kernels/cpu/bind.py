@@ -22,6 +22,7 @@ _SIGNATURES = {
     "matmul_f32_pack": ([_P, _I64, _I64, _INT, _P], _INT),
     "matmul_f32": ([_P, _I64, _I64, _P, _P, _I64, _I64, _INT, _P], _INT),
     "set_matmul_f32_rows": ([_INT], _INT),
+    "matmul_f32_rows_choice": ([_INT], _INT),
     "matmul_int8": ([_P, _I64, _I64, _INT, _P, _P, _P, _P, _I64, _I64, _INT, _INT, _INT, _P],
                     _INT),
     "kv_cache_write": ([_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I64], _INT),

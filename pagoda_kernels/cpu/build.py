@@ -21,8 +21,8 @@ from shared.logging import get_logger
 log = get_logger("kernels")
 
 SOURCES = ("paged_attention.c", "paged_attention_avx512.c", "layer_ops.c", "sampling.c",
-           "matmul_bf16.c", "matmul_f32.c", "blocks.c", "kv_cache.c", "prefill_attention.c",
-           "matmul_gguf.c", "matmul_int8.c", "race_sample.c")
+           "matmul_bf16.c", "matmul_f32.c", "matmul_f32_avx2.c", "blocks.c", "kv_cache.c",
+           "prefill_attention.c", "matmul_gguf.c", "matmul_int8.c", "race_sample.c")
 HEADERS = ("amx.h", "common.h", "paged_attention.h", "avx512.h", "layer_kernels.h",
            "kv_quant.h", "sampling_row.h")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
@@ -49,13 +49,13 @@ def _cpu_signature() -> str:
     return platform.machine() + "\n" + "\n".join(lines)
 
 
-def _library_path(compiler: list[str]) -> str:
+def _library_path(compiler: list[str], flags: list[str]) -> str:
     here = os.path.dirname(os.path.abspath(__file__))
     digest = hashlib.sha256()
     for name in SOURCES + HEADERS:
         with open(os.path.join(here, name), "rb") as f:
             digest.update(f.read())
-    digest.update(" ".join([*compiler, *FLAGS]).encode())
+    digest.update(" ".join([*compiler, *flags]).encode())
     digest.update(_cpu_signature().encode())
     return os.path.join(cache_dir(), f"pagoda_cpu_kernels_{digest.hexdigest()[:16]}.so")
 
@@ -66,7 +66,7 @@ def _run(cmd: list[str]) -> None:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-2000:]}")
 
 
-def _compile(compiler: list[str], path: str) -> None:
+def _compile(compiler: list[str], flags: list[str], path: str) -> None:
     """Each source to an object file, as many at once as this process has cores (one compiler
     call for all of them took over a minute on 2 cores), then one link."""
     from concurrent.futures import ThreadPoolExecutor
@@ -79,9 +79,9 @@ def _compile(compiler: list[str], path: str) -> None:
         with tempfile.TemporaryDirectory(dir=os.path.dirname(path)) as objects_dir:
             objects = [os.path.join(objects_dir, s.removesuffix(".c") + ".o") for s in SOURCES]
             with ThreadPoolExecutor(len(os.sched_getaffinity(0))) as pool:
-                list(pool.map(_run, ([*compiler, *FLAGS, "-c", os.path.join(here, s), "-o", o]
+                list(pool.map(_run, ([*compiler, *flags, "-c", os.path.join(here, s), "-o", o]
                                      for s, o in zip(SOURCES, objects))))
-            _run([*compiler, *FLAGS, *objects, "-o", tmp, "-lm"])
+            _run([*compiler, *flags, *objects, "-o", tmp, "-lm"])
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o755 & ~umask)  # mkstemp's 0600 would keep other users of a cache out
@@ -106,7 +106,7 @@ def load() -> ctypes.CDLL | None:
             if not compiler:
                 raise RuntimeError("no C compiler (cc/gcc) on PATH")
             compiler = shlex.split(compiler)  # CC may be "ccache gcc"
-            path = _library_path(compiler)
+            path = _library_path(compiler, FLAGS)
             # torch is imported first, so its OpenMP runtime (libgomp.so.1) is already loaded
             # and the library binds to it rather than to a second copy.
             import torch  # noqa: F401
@@ -114,7 +114,7 @@ def load() -> ctypes.CDLL | None:
                 _lib = ctypes.CDLL(path)
             except OSError:  # not built yet, or a cached build that does not load here
                 log.info("building cpu kernels", compiler=" ".join(compiler), path=path)
-                _compile(compiler, path)
+                _compile(compiler, FLAGS, path)
                 _lib = ctypes.CDLL(path)
         except Exception as e:  # any failure leaves the torch reference ops in charge
             _failed = str(e)
@@ -125,3 +125,18 @@ def load() -> ctypes.CDLL | None:
 def unavailable_reason() -> str | None:
     load()
     return _failed
+
+
+def load_variant(extra_flags: list[str]) -> ctypes.CDLL:
+    """The kernels built again with `extra_flags` after the usual ones, as a library of their
+    own (cached the same way), for checking another instruction set's loops on this CPU:
+    `-mno-avx512f` builds the AVX2 loops on a CPU with AVX-512. Raises where that cannot be
+    built; nothing else calls it, and `load()` is unaffected."""
+    if load() is None:
+        raise RuntimeError(f"cpu kernels unavailable: {_failed}")
+    compiler = shlex.split(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"))
+    flags = [*FLAGS, *extra_flags]
+    path = _library_path(compiler, flags)
+    if not os.path.exists(path):
+        _compile(compiler, flags, path)
+    return ctypes.CDLL(path)

@@ -1,5 +1,6 @@
 /* fp32 matmul over packed panels: y = x W^T (+ bias), optionally followed by SiLU(gate) * up,
- * for the layers of fp32 models on CPUs with AVX-512.
+ * for the layers of fp32 models on CPUs with AVX-512 (here) or AVX2 and FMA
+ * (matmul_f32_avx2.c, the same panels).
  *
  * Why not oneDNN's packed matmul: at decode batch sizes a matmul is a stream over its weight,
  * and fp32 weights are twice bf16's bytes. oneDNN's kernel computes near the FMA peak when the
@@ -28,20 +29,7 @@
 #include "common.h"
 #include "layer_kernels.h"
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-
-#include "avx512.h"
-
-#define PACE_BLOCKS 4     /* the next panel is fetched over a chunk's first 4 blocks */
 #define PANEL 32          /* output columns per panel */
-#define ROW_CHUNK 256     /* rows a thread takes against its panels before the next chunk */
-#define MAX_ROWS 12       /* the tallest block: 24 accumulator vectors */
-#define STREAM_MIN_COLS 16384        /* outputs this wide (a vocabulary) ... */
-#define STREAM_MIN_BYTES (8 << 20)   /* ... and this large are stored around the caches */
-#ifndef PREFETCH_K
-#define PREFETCH_K 32     /* K values (4 KiB of panel) the first block fetches ahead */
-#endif
 
 /* W [n, k] -> panels (see the top). Returns -1 when n is not a multiple of 32. */
 int matmul_f32_pack(const float *w, int64_t n, int64_t k, int gate_up, float *out) {
@@ -59,6 +47,20 @@ int matmul_f32_pack(const float *w, int64_t n, int64_t k, int gate_up, float *ou
         }
     return 0;
 }
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+#include "avx512.h"
+
+#define PACE_BLOCKS 4     /* the next panel is fetched over a chunk's first 4 blocks */
+#define ROW_CHUNK 256     /* rows a thread takes against its panels before the next chunk */
+#define MAX_ROWS 12       /* the tallest block: 24 accumulator vectors */
+#define STREAM_MIN_COLS 16384        /* outputs this wide (a vocabulary) ... */
+#define STREAM_MIN_BYTES (8 << 20)   /* ... and this large are stored around the caches */
+#ifndef PREFETCH_K
+#define PREFETCH_K 32     /* K values (4 KiB of panel) the first block fetches ahead */
+#endif
 
 static inline __m512 bias16(const float *bias) {
     return bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
@@ -159,6 +161,11 @@ static const block_fn blocks[MAX_ROWS + 1] = {NULL, block_1, block_2, block_3, b
 
 static int block_rows = MAX_ROWS;  /* rows per block: 8 or 12 (see the top) */
 
+int matmul_f32_rows_choice(int i) {
+    static const int choices[] = {8, 12};
+    return i >= 0 && i < 2 ? choices[i] : 0;
+}
+
 int set_matmul_f32_rows(int rows) {
     if (rows != 8 && rows != 12) return -1;
     block_rows = rows;
@@ -223,18 +230,19 @@ int matmul_f32(const float *x, int64_t x_stride, int64_t m, const float *packed,
 
 int matmul_f32_available(void) { return 1; }
 
-#else /* no AVX-512: callers keep oneDNN or MKL */
+#elif !(defined(__AVX2__) && defined(__FMA__)) /* AVX2: matmul_f32_avx2.c. Else callers keep
+                                                 * oneDNN or MKL */
 
 int matmul_f32_available(void) { return 0; }
+
+int matmul_f32_rows_choice(int i) {
+    (void)i;
+    return 0;
+}
 
 int set_matmul_f32_rows(int rows) {
     (void)rows;
     return -1;
-}
-
-int matmul_f32_pack(const float *w, int64_t n, int64_t k, int gate_up, float *out) {
-    (void)w, (void)n, (void)k, (void)gate_up, (void)out;
-    return -2;
 }
 
 int matmul_f32(const float *x, int64_t x_stride, int64_t m, const float *packed,

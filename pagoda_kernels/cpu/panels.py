@@ -1,7 +1,7 @@
 """The panel matmuls: y = x W^T (+ bias) with W packed once into panels of 32 output columns
 that a matmul streams in memory order, for the layers and LM head of bf16 models
 (matmul_bf16.c: AMX tiles or AVX512-BF16 dot products) and of fp32 models (matmul_f32.c:
-AVX-512 FMA). A gate/up weight packed with `gate_up` returns SiLU(gate) * up instead."""
+AVX-512 FMA; matmul_f32_avx2.c: AVX2 FMA). A gate/up weight packed with `gate_up` returns SiLU(gate) * up instead."""
 from collections.abc import Callable
 
 import torch
@@ -37,7 +37,7 @@ def bf16_matmul_available() -> bool:
 
 
 def f32_matmul_available() -> bool:
-    """Whether the fp32 panel matmul runs here: built for a CPU with AVX-512."""
+    """Whether the fp32 panel matmul runs here: built for a CPU with AVX-512, or AVX2 and FMA."""
     lib = load()
     return lib is not None and bool(lib.matmul_f32_available())
 
@@ -67,17 +67,34 @@ def set_bf16_matmul_path(path: str) -> None:
         lib.set_matmul_bf16_loop(_BF16_PATHS.index(path))
 
 
-F32_BLOCK_ROWS = (8, 12)  # the heights of the fp32 panel matmul's blocks (matmul_f32.c)
+def f32_block_rows() -> tuple[int, ...]:
+    """The heights the fp32 panel matmul's blocks can take here (matmul_f32.c: 8 or 12 rows
+    with AVX-512; matmul_f32_avx2.c: 4 or 6 with AVX2); none where it does not run."""
+    choice = _function("matmul_f32_rows_choice", None)
+    if choice is None or not f32_matmul_available():
+        return ()
+    return tuple(r for r in (choice(i) for i in range(2)) if r > 0)
+
+
+_f32_rows: int | None = None  # the height set last; None: the C default, the tallest
 
 
 def set_f32_block_rows(rows: int) -> None:
-    """Run the fp32 panel matmul `rows` rows a block (8 or 12: which is faster depends on the
-    core's FMA units; `linear.fp32_layout` times both); takes effect at the next call."""
-    if rows not in F32_BLOCK_ROWS:
-        raise ValueError(f"fp32 matmul block rows must be one of {F32_BLOCK_ROWS}, got {rows!r}")
-    set_rows = _function("set_matmul_f32_rows", None)
-    if set_rows is not None:
-        set_rows(rows)
+    """Run the fp32 panel matmul `rows` rows a block (one of `f32_block_rows()`: which is
+    faster depends on the core's FMA units; `linear.fp32_layout` times each); takes effect at
+    the next call."""
+    global _f32_rows
+    heights = f32_block_rows()
+    if rows not in heights:
+        raise ValueError(f"fp32 matmul block rows must be one of {heights}, got {rows!r}")
+    _function("set_matmul_f32_rows", None)(rows)
+    _f32_rows = rows
+
+
+def f32_block_rows_now() -> int | None:
+    """The height the fp32 panel matmul runs now; None where it does not run."""
+    heights = f32_block_rows()
+    return (_f32_rows or heights[-1]) if heights else None
 
 
 # By weight dtype: the C prefix, and whether its panels may be packed and run here.
@@ -115,8 +132,8 @@ def pack_f32_weight(weight: torch.Tensor, gate_up: bool = False,
                     empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] = torch.empty,
                     ) -> torch.Tensor | None:
     """An fp32 weight [N, K] on the CPU rearranged for `f32_linear` (same size, in memory from
-    `empty(shape, dtype)`), or None where that does not run: no AVX-512, another dtype or
-    device, N not a multiple of 32 (any K). With `gate_up`, as `pack_bf16_weight`."""
+    `empty(shape, dtype)`), or None where that does not run: neither AVX-512 nor AVX2 and FMA,
+    another dtype or device, N not a multiple of 32 (any K). With `gate_up`, as `pack_bf16_weight`."""
     return _pack(weight, torch.float32, gate_up, empty)
 
 

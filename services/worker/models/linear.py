@@ -117,7 +117,7 @@ def fp32_layout() -> str:
     it runs), "transposed" ([in, out] for MKL's sgemm) or "onednn" (oneDNN's packed matmul).
     Decided once per process by timing each on a decode-sized product (64 x 1024 x 1024, best of
     5, ~0.1 s each): which one wins depends on the CPU (MKL's sgemm ran at half oneDNN's rate at
-    batch 64 on a Zen 4, and ahead of it on Xeons). The panels' block height (8 or 12 rows) is
+    batch 64 on a Zen 4, and ahead of it on Xeons). The panels' block height (`f32_block_rows`) is
     timed the same way first, and kept for this process."""
     global _fp32_layout
     if _fp32_layout is None:
@@ -138,7 +138,7 @@ def fp32_layout() -> str:
         if panels is not None:
             runs["panels"] = partial(cpu_kernels.f32_linear, x, panels, None, 1024)
             rows = {}
-            for r in cpu_kernels.F32_BLOCK_ROWS:
+            for r in cpu_kernels.f32_block_rows():
                 cpu_kernels.set_f32_block_rows(r)
                 rows[r] = best_of(runs["panels"])
             block_rows = min(rows, key=rows.get)
