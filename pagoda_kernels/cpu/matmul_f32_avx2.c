@@ -94,8 +94,12 @@ int matmul_f32(const float *x, int64_t x_stride, int64_t m, const float *packed,
     if (m <= 0) return 0;
     const int64_t panels = n / PANEL, y_cols = gate_up ? n / 2 : n;
     const int R = block_rows;
-    int64_t chunk_rows = CHUNK_BYTES / (k * (int64_t)sizeof(float)) / R * R;
-    if (chunk_rows < R) chunk_rows = R;
+    /* Chunks of at most CHUNK_BYTES of x (L2 holds them beside the panel), as even as whole
+     * blocks make them: a short last chunk would read every panel again for a few rows. */
+    int64_t most = CHUNK_BYTES / (k * (int64_t)sizeof(float));
+    if (most < R) most = R;
+    const int64_t chunks = (m + most - 1) / most;
+    const int64_t chunk_rows = ((m + chunks - 1) / chunks + R - 1) / R * R;
     #pragma omp parallel
     for (int64_t chunk = 0; chunk < m; chunk += chunk_rows) {
         const int64_t chunk_end = chunk + chunk_rows < m ? chunk + chunk_rows : m;
