@@ -397,3 +397,52 @@ def test_the_yardstick_times_the_panel_matmul_too_where_it_runs(dtype, monkeypat
     monkeypatch.setattr(cpu_kernels, name, counted)
     assert yardstick.matmul_gflops(dtype, torch.device("cpu"), n=64, seconds=0.05) > 0
     assert calls and calls[0] == (64, 64)
+
+
+def test_onednn_baseline_runs_pagoda_again_with_its_fp32_weights_packed_for_onednn(
+        tmp_path, capsys, monkeypatch):
+    from services.worker.models import linear
+    runners = []
+    real_init = throughput.PagodaRunner.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        runners.append(self)
+    monkeypatch.setattr(throughput.PagodaRunner, "__init__", init)
+    monkeypatch.setattr(throughput, "Yardstick", lambda dtype, device: yardstick.Yardstick(
+        dtype, device, lambda d, dev: yardstick.matmul_gflops(d, dev, n=256, seconds=0.1)))
+    chosen = linear.fp32_layout()
+    out = tmp_path / "throughput.json"
+    parser = argparse.ArgumentParser()
+    throughput.add_arguments(parser)
+    args = parser.parse_args(["--num-prompts", "2", "--input-len", "8", "--output-len", "3",
+                              "--baseline", "onednn", "--dtype", "float32",
+                              "--max-model-len", "64", "--kv-cache-space-gib", "0.05",
+                              "--output-json", str(out)])
+    assert throughput.run(args) == 0
+    assert [r.name for r in runners] == ["pagoda", "onednn"]
+    assert linear.fp32_layout() == chosen  # the process's layout is put back
+
+    def kinds(runner):
+        model = runner.llm.llm_engine.executor.worker.model_runner.model
+        return {m.packed.kind for m in model.modules()
+                if isinstance(getattr(m, "packed", None), linear.PackedWeight)
+                and m.packed.out_features != model.config.vocab_size}  # the LM head: its own
+    assert kinds(runners[1]) == {"onednn"}
+    assert kinds(runners[0]) == ({"f32"} if chosen == "panels" else
+                                 {"onednn"} if chosen == "onednn" else set())
+    w = json.loads(out.read_text())["workloads"]["fixed"]
+    assert w["onednn"]["output_tokens"] == w["pagoda"]["output_tokens"] == 2 * 3
+    assert w["ratio_vs_onednn_output_tok_s"] == (w["pagoda"]["output_tok_s"]
+                                                 / w["onednn"]["output_tok_s"])
+    assert "ratio pagoda / pagoda on oneDNN" in capsys.readouterr().out
+
+
+def test_onednn_baseline_needs_fp32():
+    parser = argparse.ArgumentParser()
+    throughput.add_arguments(parser)
+    args = parser.parse_args(["--num-prompts", "1", "--input-len", "4", "--output-len", "1",
+                              "--baseline", "onednn", "--dtype", "bfloat16",
+                              "--max-model-len", "64", "--kv-cache-space-gib", "0.05"])
+    with pytest.raises(SystemExit, match="needs --dtype float32"):
+        throughput.run(args)

@@ -1,4 +1,4 @@
-"""`pagoda bench throughput | serve | kernels | parallel | latency | spec`."""
+"""`pagoda bench throughput | serve | kernels | matmuls | parallel | latency | spec`."""
 import argparse
 
 
@@ -6,10 +6,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench", required=True)
     from ops.bench import spec
     spec.add_arguments(sub.add_parser("spec", help=spec.__doc__.split("\n")[0]))
-    from ops.bench import kernels, latency, parallel, serve, throughput
+    from ops.bench import kernels, latency, matmuls, parallel, serve, throughput
     throughput.add_arguments(sub.add_parser("throughput", help=throughput.__doc__.split("\n")[0]))
     serve.add_arguments(sub.add_parser("serve", help=serve.__doc__.split("\n")[0]))
     kernels.add_arguments(sub.add_parser("kernels", help=kernels.__doc__.split("\n")[0]))
+    matmuls.add_arguments(sub.add_parser("matmuls", help=matmuls.__doc__.split("\n")[0]))
     parallel.add_arguments(sub.add_parser("parallel", help=parallel.__doc__.split("\n")[0]))
     latency.add_arguments(sub.add_parser("latency", help=latency.__doc__.split("\n")[0]))
 
@@ -24,6 +25,9 @@ def run(args: argparse.Namespace) -> int:
     if args.bench == "kernels":
         from ops.bench import kernels
         return kernels.run(args)
+    if args.bench == "matmuls":
+        from ops.bench import matmuls
+        return matmuls.run(args)
     if args.bench == "parallel":
         from ops.bench import parallel
         return parallel.run(args)

@@ -5,7 +5,9 @@ that the model's FLOPs per token times total tokens/s reach (the best of several
 that rate, see ops/bench/yardstick.py). Workloads (ops/bench/workloads.py, `--workloads fixed
 mixed`): `fixed`, every prompt `--input-len` tokens; `mixed`, lengths drawn from
 `--input-len-range`. Baselines in the same run: `--baseline hf` runs transformers' `generate`
-with static, left-padded batches; `--baseline vllm --vllm-python VENV/bin/python` runs vLLM's
+with static, left-padded batches; `--baseline onednn` (fp32) runs pagoda a second time, loaded
+beside the first, with its fp32 weights packed for oneDNN instead of the layout this CPU
+chose (services/worker/models/linear.py, `fp32_layout`); `--baseline vllm --vllm-python VENV/bin/python` runs vLLM's
 offline `LLM` in that interpreter (vLLM lives in its own venv; the model is handed to it as a
 Hugging Face folder, exported from a GGUF file when that is what pagoda serves). The systems load
 once and take turns: each round runs every workload on every system, one run each, each round
@@ -41,7 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workloads", nargs="+", choices=WORKLOAD_NAMES, default=["fixed"],
                         help="run each of these in every round: fixed (--num-prompts x "
                              "--input-len), mixed (--num-prompts x --input-len-range)")
-    parser.add_argument("--baseline", nargs="+", choices=["none", "hf", "vllm"], default=["none"])
+    parser.add_argument("--baseline", nargs="+", choices=["none", "hf", "vllm", "onednn"],
+                        default=["none"])
     parser.add_argument("--vllm-python", default=None,
                         help="the Python of a venv with vLLM installed (for --baseline vllm)")
     parser.add_argument("--hf-batch-size", type=int, default=16)
@@ -60,10 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 class PagodaRunner:
     """pagoda's offline LLM in this process."""
 
-    name = "pagoda"
-
-    def __init__(self, engine_args, output_len: int, warmup: list[list[int]]):
+    def __init__(self, engine_args, output_len: int, warmup: list[list[int]],
+                 name: str = "pagoda"):
         from pagoda import LLM, SamplingParams
+        self.name = name
         t0 = time.perf_counter()
         self.llm = LLM(**engine_args.to_dict())
         self.startup_s = time.perf_counter() - t0
@@ -183,6 +186,9 @@ def run(args: argparse.Namespace) -> int:
                                 tuple(args.input_len_range), args.repeats, args.seed)
     dtype = config.model_config.dtype
     device = config.device_config.device
+    if "onednn" in args.baseline and dtype != torch.float32:
+        raise SystemExit("--baseline onednn compares fp32 weight layouts: it needs --dtype "
+                         "float32")
     print(f"workloads: {'; '.join(f'{w.name}, {w.description}' for w in workloads)}; "
           f"{args.output_len} output tokens each, dtype {str(dtype).removeprefix('torch.')}, "
           f"device {device}" + (f", {args.repeats} rounds (median)" if args.repeats > 1 else ""))
@@ -204,6 +210,8 @@ def run(args: argparse.Namespace) -> int:
                                     [prompts for w in workloads for prompts in w.rounds]))
         if "hf" in args.baseline:
             systems.append(HfRunner(config.model_config, args.output_len, args.hf_batch_size))
+        if "onednn" in args.baseline:
+            systems.append(_onednn_runner(engine_args, args.output_len, workloads[0].rounds[0]))
         if len(systems) > 1:
             print(f"alternating runs: {', '.join(s.name for s in systems)}, one each per round")
         results = run_alternating(systems, workloads, measure_after_round)
@@ -228,6 +236,17 @@ def run(args: argparse.Namespace) -> int:
             json.dump(result, f, indent=2, default=str)
         print(f"saved {args.output_json}")
     return 0
+
+
+def _onednn_runner(engine_args, output_len: int, warmup: list[list[int]]) -> PagodaRunner:
+    """pagoda again, its fp32 weights packed for oneDNN whatever this CPU's layout is."""
+    from services.worker.models import linear
+    chosen = linear.fp32_layout()
+    linear.set_fp32_layout("onednn")
+    try:
+        return PagodaRunner(engine_args, output_len, warmup, name="onednn")
+    finally:
+        linear.set_fp32_layout(chosen)
 
 
 def _report_workload(workload: Workload, results: dict[str, dict], stack: dict | None,
@@ -260,6 +279,12 @@ def _report_workload(workload: Workload, results: dict[str, dict], stack: dict |
                        "ratio_vs_vllm_by_round")
               + (f"; stack / vLLM: {stack['output_tok_s'] / v['output_tok_s']:.2f}x"
                  if stack is not None else ""))
+
+    if "onednn" in results:
+        result["onednn"] = results["onednn"]
+        _print("pagoda, fp32 weights packed for oneDNN", results["onednn"])
+        print(_compare(result, "onednn", "pagoda on oneDNN", "ratio_vs_onednn_output_tok_s",
+                       "ratio_vs_onednn_by_round"))
 
     if "hf" in results:
         result["hf"] = results["hf"]
