@@ -687,8 +687,8 @@ def f32_block_rows():
 @pytest.mark.parametrize("gate_up", [False, True])
 def test_fp32_panels_give_the_same_bits_at_either_block_height(gate_up, f32_block_rows):
     """Either block height (8 or 12 rows with AVX-512, 4 or 6 with AVX2) sums each output over
-    K in the same order: the same bits, for row counts that leave every tail height (and
-    several row chunks)."""
+    K in the same order: the same bits, for row counts that leave every tail height (and, with
+    AVX-512, several row chunks)."""
     g = torch.Generator().manual_seed(4)
     weight = torch.randn(128, 96, generator=g)
     bias = torch.randn(128, generator=g)

@@ -1,5 +1,5 @@
-"""The fp32 panel matmul (pagoda_kernels/cpu/matmul_f32.c, matmul_f32_avx2.c): x W^T (+ bias), and SiLU(gate) * up for a
-gate/up weight, against torch at the row counts of decode steps and prompts; what it does not
+"""The fp32 panel matmul (pagoda_kernels/cpu/matmul_f32.c, matmul_f32_avx2.c): x W^T (+ bias),
+and SiLU(gate) * up for a gate/up weight, at each block height, against torch at the row counts of decode steps and prompts; what it does not
 take goes to oneDNN; the LM head takes it where the fp32 layout says panels (the layer modules:
 tests/test_cpu_kernels.py, test_fp32_layer_weights_packed_as_the_chosen_layout)."""
 import pytest

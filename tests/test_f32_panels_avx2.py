@@ -71,6 +71,47 @@ def test_avx2_panel_matmul_equals_f_linear(avx2, height, gate_up, bias):
         assert ((out - expected).abs() / scale).max() < 1e-5, rows
 
 
+@pytest.mark.parametrize("gate_up", [False, True], ids=["plain", "gate_up"])
+def test_avx2_panel_matmul_splits_long_rows_into_chunks_of_whole_blocks(avx2, gate_up):
+    # x rows of 2,048 floats: 32 a chunk; of 12,000: one 6-row block a chunk (each chunk reads
+    # every panel again, and the outputs are the same).
+    g = torch.Generator().manual_seed(20 + gate_up)
+    assert avx2.set_matmul_f32_rows(6) == 0
+    for n, k, row_counts in ((64, 2048, (31, 64, 257)), (32, 12000, (5, 13))):
+        weight = torch.randn(n, k, generator=g)
+        packed = torch.empty(n * k)
+        assert avx2.matmul_f32_pack(weight.data_ptr(), n, k, int(gate_up), packed.data_ptr()) == 0
+        for rows in row_counts:
+            x = torch.randn(rows, k, generator=g)
+            out = torch.full((rows, n // 2 if gate_up else n), float("nan"))
+            assert avx2.matmul_f32(x.data_ptr(), k, rows, packed.data_ptr(), None, n, k,
+                                   int(gate_up), out.data_ptr()) == 0
+            expected = F.linear(x, weight)
+            if gate_up:
+                expected = silu_and_mul(expected)
+            scale = expected.abs().amax(-1, keepdim=True).clamp_min(1e-6)
+            assert ((out - expected).abs() / scale).max() < 1e-5, (k, rows)
+
+
+def test_avx2_panel_silu_and_mul_at_the_extremes(avx2):
+    # One-hot x picks weight columns as the gate and up values: SiLU of gates from -100 to 100
+    # (exp underflowing and overflowing) times up, as silu_and_mul computes it.
+    n, k = 64, 32
+    gates = torch.linspace(-100.0, 100.0, k)
+    weight = torch.zeros(n, k)
+    weight[:n // 2] = gates  # every gate column holds the same row of values
+    weight[n // 2:] = 3.0
+    packed = torch.empty(n * k)
+    assert avx2.matmul_f32_pack(weight.data_ptr(), n, k, 1, packed.data_ptr()) == 0
+    x = torch.eye(k)  # row i picks value i
+    out = torch.empty(k, n // 2)
+    assert avx2.matmul_f32(x.data_ptr(), k, k, packed.data_ptr(), None, n, k, 1,
+                           out.data_ptr()) == 0
+    expected = silu_and_mul(F.linear(x, weight))
+    assert not out.isnan().any()
+    assert torch.allclose(out, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_avx2_panel_matmul_refuses_partial_panels(avx2):
     x, out, w = torch.randn(2, 8), torch.empty(2, 48), torch.empty(48 * 8)
     assert avx2.matmul_f32(x.data_ptr(), 8, 2, w.data_ptr(), None, 48, 8, 0, out.data_ptr()) == -1

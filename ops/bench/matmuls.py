@@ -34,8 +34,10 @@ def _parse(shape: str) -> tuple[int, int, int]:
     return rows, n, k
 
 
-def _sides(rows: int, n: int, k: int) -> dict:
-    """name -> a call computing x W^T on that side, checked against F.linear first."""
+def _sides(rows: int, n: int, k: int) -> tuple[dict, dict]:
+    """name -> a call computing x W^T on that side, checked against F.linear first; and for
+    the panel sides, name -> the block height to set before calling it. oneDNN's weight is
+    packed for 64 rows, as the engine packs it."""
     from pagoda_kernels import cpu
     from services.worker.models.linear import _onednn
 
@@ -44,20 +46,21 @@ def _sides(rows: int, n: int, k: int) -> dict:
     transposed = weight.t().contiguous().t()
     sides = {"mkl [in, out]": lambda: F.linear(x, transposed)}
     if _onednn(torch.float32):
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
         sides["onednn"] = lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none",
                                                                     [], "")
     panels = cpu.pack_f32_weight(weight)
+    heights = {}
     for height in (cpu.f32_block_rows() if panels is not None else ()):
-        def panel(height=height):
-            cpu.set_f32_block_rows(height)
-            return cpu.f32_linear(x, panels, None, n)
-        sides[f"panels {height} rows"] = panel
+        heights[f"panels {height} rows"] = height
+        sides[f"panels {height} rows"] = lambda: cpu.f32_linear(x, panels, None, n)
     expected = F.linear(x, weight)
     for name, side in sides.items():
+        if name in heights:
+            cpu.set_f32_block_rows(heights[name])
         if not torch.allclose(side(), expected, rtol=1e-4, atol=1e-3 * k ** 0.5):
             raise SystemExit(f"{name} gives another product than F.linear at {rows}x{n}x{k}")
-    return sides
+    return sides, heights
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,20 +71,25 @@ def run(args: argparse.Namespace) -> int:
     print(f"fp32 matmuls, {torch.get_num_threads()} threads; GFLOP/s of the fastest of "
           f"{args.repeats} calls each, sides alternating")
     results = []
-    with torch.inference_mode():
-        for rows, n, k in shapes:
-            sides = _sides(rows, n, k)
-            best = dict.fromkeys(sides, float("inf"))
-            for _ in range(args.repeats):
-                for name, side in sides.items():
-                    start = time.perf_counter()
-                    side()
-                    best[name] = min(best[name], time.perf_counter() - start)
-            rates = {name: 2 * rows * n * k / s / 1e9 for name, s in best.items()}
-            print(f"{rows}x{n}x{k}: " + "  ".join(f"{name} {r:.1f}" for name, r in rates.items()))
-            results.append({"rows": rows, "n": n, "k": k, "gflops": rates})
-    if before is not None:
-        cpu.set_f32_block_rows(before)
+    try:
+        with torch.inference_mode():
+            for rows, n, k in shapes:
+                sides, heights = _sides(rows, n, k)
+                best = dict.fromkeys(sides, float("inf"))
+                for _ in range(args.repeats):
+                    for name, side in sides.items():
+                        if name in heights:
+                            cpu.set_f32_block_rows(heights[name])
+                        start = time.perf_counter()
+                        side()
+                        best[name] = min(best[name], time.perf_counter() - start)
+                rates = {name: 2 * rows * n * k / s / 1e9 for name, s in best.items()}
+                print(f"{rows}x{n}x{k}: "
+                      + "  ".join(f"{name} {r:.1f}" for name, r in rates.items()))
+                results.append({"rows": rows, "n": n, "k": k, "gflops": rates})
+    finally:
+        if before is not None:
+            cpu.set_f32_block_rows(before)
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"threads": torch.get_num_threads(), "results": results}, f, indent=1)

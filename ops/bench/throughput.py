@@ -5,11 +5,12 @@ that the model's FLOPs per token times total tokens/s reach (the best of several
 that rate, see ops/bench/yardstick.py). Workloads (ops/bench/workloads.py, `--workloads fixed
 mixed`): `fixed`, every prompt `--input-len` tokens; `mixed`, lengths drawn from
 `--input-len-range`. Baselines in the same run: `--baseline hf` runs transformers' `generate`
-with static, left-padded batches; `--baseline onednn` (fp32) runs pagoda a second time, loaded
-beside the first, with its fp32 weights packed for oneDNN instead of the layout this CPU
-chose (services/worker/models/linear.py, `fp32_layout`); `--baseline vllm --vllm-python VENV/bin/python` runs vLLM's
-offline `LLM` in that interpreter (vLLM lives in its own venv; the model is handed to it as a
-Hugging Face folder, exported from a GGUF file when that is what pagoda serves). The systems load
+with static, left-padded batches; `--baseline onednn` (fp32, CPU) runs pagoda a second time,
+loaded beside the first, with its fp32 weights packed for oneDNN instead of the layout this
+CPU chose (services/worker/models/linear.py, `fp32_layout`); `--baseline vllm --vllm-python
+VENV/bin/python` runs vLLM's offline `LLM` in that interpreter (vLLM lives in its own venv;
+the model is handed to it as a Hugging Face folder, exported from a GGUF file when that is what
+pagoda serves). The systems load
 once and take turns: each round runs every workload on every system, one run each, each round
 led by the next system, so that a machine whose speed drifts slows them alike. `--repeats N`
 runs N rounds, each on fresh prompts, and reports the median run per workload and system, and
@@ -186,9 +187,8 @@ def run(args: argparse.Namespace) -> int:
                                 tuple(args.input_len_range), args.repeats, args.seed)
     dtype = config.model_config.dtype
     device = config.device_config.device
-    if "onednn" in args.baseline and dtype != torch.float32:
-        raise SystemExit("--baseline onednn compares fp32 weight layouts: it needs --dtype "
-                         "float32")
+    if "onednn" in args.baseline:
+        _check_onednn_baseline(dtype, device, engine_args)
     print(f"workloads: {'; '.join(f'{w.name}, {w.description}' for w in workloads)}; "
           f"{args.output_len} output tokens each, dtype {str(dtype).removeprefix('torch.')}, "
           f"device {device}" + (f", {args.repeats} rounds (median)" if args.repeats > 1 else ""))
@@ -236,6 +236,20 @@ def run(args: argparse.Namespace) -> int:
             json.dump(result, f, indent=2, default=str)
         print(f"saved {args.output_json}")
     return 0
+
+
+def _check_onednn_baseline(dtype: torch.dtype, device: torch.device, engine_args) -> None:
+    """--baseline onednn runs only where it compares what it says: fp32 on the CPU, oneDNN's
+    fp32 matmul in this torch, and the worker in this process (where the layout is set)."""
+    from services.worker.models.linear import _onednn
+    if dtype != torch.float32 or device.type != "cpu":
+        raise SystemExit("--baseline onednn compares fp32 weight layouts on the CPU: it needs "
+                         "--dtype float32 and the cpu device")
+    if not _onednn(torch.float32):
+        raise SystemExit("--baseline onednn: this torch has no oneDNN fp32 matmul")
+    if engine_args.tensor_parallel_size > 1:
+        raise SystemExit("--baseline onednn sets the layout in this process: it needs "
+                         "--tensor-parallel-size 1")
 
 
 def _onednn_runner(engine_args, output_len: int, warmup: list[list[int]]) -> PagodaRunner:

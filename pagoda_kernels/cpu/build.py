@@ -91,6 +91,13 @@ def _compile(compiler: list[str], flags: list[str], path: str) -> None:
             os.unlink(tmp)
 
 
+def _compiler() -> list[str]:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        raise RuntimeError("no C compiler (cc/gcc) on PATH")
+    return shlex.split(compiler)  # CC may be "ccache gcc"
+
+
 def load() -> ctypes.CDLL | None:
     """The compiled kernels, building them if needed; None when they cannot be built here."""
     global _lib, _failed
@@ -99,13 +106,10 @@ def load() -> ctypes.CDLL | None:
     with _lock:
         if _lib is not None or _failed is not None:
             return _lib
-        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
         try:
             if os.environ.get("PAGODA_CPU_KERNELS", "1") == "0":
                 raise RuntimeError("turned off by PAGODA_CPU_KERNELS=0")
-            if not compiler:
-                raise RuntimeError("no C compiler (cc/gcc) on PATH")
-            compiler = shlex.split(compiler)  # CC may be "ccache gcc"
+            compiler = _compiler()
             path = _library_path(compiler, FLAGS)
             # torch is imported first, so its OpenMP runtime (libgomp.so.1) is already loaded
             # and the library binds to it rather than to a second copy.
@@ -134,9 +138,11 @@ def load_variant(extra_flags: list[str]) -> ctypes.CDLL:
     built; nothing else calls it, and `load()` is unaffected."""
     if load() is None:
         raise RuntimeError(f"cpu kernels unavailable: {_failed}")
-    compiler = shlex.split(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"))
+    compiler = _compiler()
     flags = [*FLAGS, *extra_flags]
     path = _library_path(compiler, flags)
-    if not os.path.exists(path):
+    try:
+        return ctypes.CDLL(path)
+    except OSError:  # not built yet, or a cached build that does not load here
         _compile(compiler, flags, path)
-    return ctypes.CDLL(path)
+        return ctypes.CDLL(path)

@@ -5,9 +5,10 @@
  * With 16 vector registers of 8 floats, a block is R rows (4 or 6, set_matmul_f32_rows) against
  * one 16-column half of a panel: 2R accumulators, two loads of the half's K row and a broadcast
  * per row for every two FMAs per row (at R = 6, 15 registers). A panel is taken half by half; a
- * half's K rows are 64 bytes apart in a panel's 128, one cache line each. With `gate_up` the
- * first half holds the gate columns and the second the up columns (matmul_f32_pack): the gate
- * pass writes SiLU(gate) where the output goes and the up pass multiplies it in.
+ * half's K row is one 64-byte line of the panel's 128-byte row, so a half reads every other
+ * line. With `gate_up` the first half holds the gate columns and the second the up columns
+ * (matmul_f32_pack): the gate pass writes SiLU(gate) where the output goes and the up pass
+ * multiplies it in.
  *
  * No software prefetch of the next panel as in the AVX-512 loop: at a decode batch of 64 a core
  * at its FMA rate reads ~1 GB/s of weight (32 flops a byte), which the hardware prefetchers keep
@@ -22,9 +23,7 @@
 
 #define PANEL 32       /* output columns per panel, as matmul_f32.c packs them */
 #define HALF 16        /* columns a block takes: two vectors */
-#ifndef CHUNK_BYTES
 #define CHUNK_BYTES (256 << 10)  /* x a thread takes against its panels before the next chunk */
-#endif
 #define MAX_ROWS 6
 
 /* One K step `s` of a block: the half's two vectors at row s against R broadcast x values. */
@@ -94,12 +93,14 @@ int matmul_f32(const float *x, int64_t x_stride, int64_t m, const float *packed,
     if (m <= 0) return 0;
     const int64_t panels = n / PANEL, y_cols = gate_up ? n / 2 : n;
     const int R = block_rows;
-    /* Chunks of at most CHUNK_BYTES of x (L2 holds them beside the panel), as even as whole
-     * blocks make them: a short last chunk would read every panel again for a few rows. */
-    int64_t most = CHUNK_BYTES / (k * (int64_t)sizeof(float));
-    if (most < R) most = R;
-    const int64_t chunks = (m + most - 1) / most;
-    const int64_t chunk_rows = ((m + chunks - 1) / chunks + R - 1) / R * R;
+    /* Chunks of whole blocks holding about CHUNK_BYTES of x (L2 keeps them beside the panel;
+     * the rows that fit, rounded up to whole blocks), as even as whole blocks make them: a
+     * short last chunk would read every panel again for a few rows. */
+    const int64_t blocks_in_m = (m + R - 1) / R;
+    const int64_t fit_rows = CHUNK_BYTES / (k * (int64_t)sizeof(float));
+    const int64_t most_blocks = fit_rows > R ? (fit_rows + R - 1) / R : 1;
+    const int64_t chunks = (blocks_in_m + most_blocks - 1) / most_blocks;
+    const int64_t chunk_rows = (blocks_in_m + chunks - 1) / chunks * R;
     #pragma omp parallel
     for (int64_t chunk = 0; chunk < m; chunk += chunk_rows) {
         const int64_t chunk_end = chunk + chunk_rows < m ? chunk + chunk_rows : m;

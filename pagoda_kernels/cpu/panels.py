@@ -1,7 +1,8 @@
 """The panel matmuls: y = x W^T (+ bias) with W packed once into panels of 32 output columns
 that a matmul streams in memory order, for the layers and LM head of bf16 models
 (matmul_bf16.c: AMX tiles or AVX512-BF16 dot products) and of fp32 models (matmul_f32.c:
-AVX-512 FMA; matmul_f32_avx2.c: AVX2 FMA). A gate/up weight packed with `gate_up` returns SiLU(gate) * up instead."""
+AVX-512 FMA; matmul_f32_avx2.c: AVX2 FMA). A gate/up weight packed with `gate_up` returns
+SiLU(gate) * up instead."""
 from collections.abc import Callable
 
 import torch
@@ -68,8 +69,9 @@ def set_bf16_matmul_path(path: str) -> None:
 
 
 def f32_block_rows() -> tuple[int, ...]:
-    """The heights the fp32 panel matmul's blocks can take here (matmul_f32.c: 8 or 12 rows
-    with AVX-512; matmul_f32_avx2.c: 4 or 6 with AVX2); none where it does not run."""
+    """The heights the fp32 panel matmul's blocks can take here, lowest first, the last the
+    one it runs until told otherwise (matmul_f32.c: 8 or 12 rows with AVX-512;
+    matmul_f32_avx2.c: 4 or 6 with AVX2); none where it does not run."""
     choice = _function("matmul_f32_rows_choice", None)
     if choice is None or not f32_matmul_available():
         return ()
@@ -82,7 +84,8 @@ _f32_rows: int | None = None  # the height set last; None: the C default, the ta
 def set_f32_block_rows(rows: int) -> None:
     """Run the fp32 panel matmul `rows` rows a block (one of `f32_block_rows()`: which is
     faster depends on the core's FMA units; `linear.fp32_layout` times each); takes effect at
-    the next call."""
+    the next call. Raises ValueError for any other height, and so for every height where the
+    panel matmul does not run."""
     global _f32_rows
     heights = f32_block_rows()
     if rows not in heights:
@@ -133,7 +136,8 @@ def pack_f32_weight(weight: torch.Tensor, gate_up: bool = False,
                     ) -> torch.Tensor | None:
     """An fp32 weight [N, K] on the CPU rearranged for `f32_linear` (same size, in memory from
     `empty(shape, dtype)`), or None where that does not run: neither AVX-512 nor AVX2 and FMA,
-    another dtype or device, N not a multiple of 32 (any K). With `gate_up`, as `pack_bf16_weight`."""
+    another dtype or device, N not a multiple of 32 (any K). With `gate_up`, as
+    `pack_bf16_weight`."""
     return _pack(weight, torch.float32, gate_up, empty)
 
 

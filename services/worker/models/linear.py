@@ -10,8 +10,8 @@
   layout. The plain bf16 matmul repacks the weight on every call, which at decode batch sizes
   costs as much as the product (measured, 30 layers of the default model at batch 64: 1.6x
   faster packed; the same at 2048 tokens).
-- fp32: packed into the panels of pagoda_kernels/cpu/matmul_f32.c (AVX-512), stored [in, out] (the
-  parameter becomes a transposed view of a copy made once at load, same values), or packed for
+- fp32: packed into the panels of pagoda_kernels/cpu/matmul_f32.c (AVX-512; AVX2 and FMA:
+  matmul_f32_avx2.c), stored [in, out] (the parameter becomes a transposed view of a copy made once at load, same values), or packed for
   oneDNN, whichever this CPU runs fastest (`fp32_layout`, timed once per process, panels
   preferred on a tie since the C layer blocks take them). On Intel Xeons MKL's sgemm was ~12%
   faster than oneDNN at batch 64 with [in, out] and the same at 1-2048 tokens; on a Zen 4
