@@ -80,8 +80,10 @@ def test_greedy_fast_path_equals_the_torch_path(monkeypatch, dtype):
     slow = sample(logits, rows)
     assert fast.token_ids.tolist()[1] == 7
     assert torch.equal(fast.token_ids, slow.token_ids)
-    # Sums of ~40k exponentials in another order: float rounding apart, no more.
-    assert (fast.logprobs - slow.logprobs).abs().max() < 5e-5
+    # Sums of ~40k exponentials in another order: float rounding apart, no more. The kernel
+    # sums in float lanes, 16 with AVX-512 and 4 where the compiler takes 128-bit vectors (GCC
+    # on a Zen 1), where its logprobs ran 5-9e-5 off.
+    assert (fast.logprobs - slow.logprobs).abs().max() < 2e-4
     assert fast.top_token_ids is None and slow.top_token_ids is None
 
 
