@@ -402,13 +402,14 @@ def test_rotary_refuses_positions_outside_its_table(dtype):
 # --- packed linear -----------------------------------------------------------------------------
 
 needs_bf16_panels = pytest.mark.skipif(not cpu_kernels.bf16_matmul_available(),
-                                       reason="this CPU has no AVX512-BF16")
+                                       reason="this CPU has neither AVX512-BF16 nor AVX2 and FMA")
 
 
-@pytest.fixture(params=["dot", "amx", "amx-stream"])
+@pytest.fixture(params=["dot", "amx", "amx-stream", "avx2"])
 def bf16_matmul_path(request):
     """Each loop of the bf16 panel matmul in turn: vdpbf16ps, then AMX tiles, K-blocked from 512
-    rows and streaming at every size (skipped where the CPU lacks them)."""
+    rows and streaming at every size, or AVX2 FMA on bf16 widened to fp32 (each skipped where
+    the CPU does not run it)."""
     if request.param not in cpu_kernels.bf16_matmul_paths():
         pytest.skip(f"the bf16 panel matmul's {request.param} loop does not run on this CPU")
     cpu_kernels.set_bf16_matmul_path(request.param)
@@ -564,9 +565,13 @@ def test_silu_and_mul_linear_module_with_bf16_panels_and_with_onednn():
             layer.pack()
         finally:
             cpu_kernels.set_bf16_matmul(True)
-        assert layer.packed.kind == ("bf16" if panels else "onednn")
-        assert layer.packed.gate_up == panels  # oneDNN has no fused epilogue: SiLU runs after it
-        assert layer.weight.device.type == "meta"  # the plain copy is dropped either way
+        if panels or _onednn(torch.bfloat16):
+            assert layer.packed.kind == ("bf16" if panels else "onednn")
+            # oneDNN has no fused epilogue: SiLU runs after it
+            assert layer.packed.gate_up == panels
+            assert layer.weight.device.type == "meta"  # the plain copy is dropped either way
+        else:  # no bf16 in oneDNN here: the plain weight stays, for F.linear
+            assert layer.packed is None and layer.weight.device.type == "cpu"
         out = layer(x)
         assert out.shape == (9, 128)
         assert bf16_ulps(out, expected).max() <= 2

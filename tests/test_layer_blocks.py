@@ -101,7 +101,8 @@ def run_steps(model: LlamaForCausalLM, mode: str, prompts: list[list[int]], step
 
 
 # bf16 panels hold bf16 weights, for bf16 activations only; "bf16-dot" runs them on the
-# vdpbf16ps loop where AMX would run (the same loop as "bf16" on CPUs without AMX). fp32 panels
+# vdpbf16ps loop where AMX would run (the same loop as "bf16" on CPUs without AMX; skipped on
+# CPUs without AVX512-BF16, where "bf16" runs the AVX2 loop). fp32 panels
 # likewise for fp32 only.
 CASES = [(kind, dtype) for kind in KINDS for dtype in (torch.float32, torch.bfloat16)
          if not (kind.startswith("bf16") and dtype != torch.bfloat16)
@@ -112,8 +113,10 @@ def use_panels(kind: str, request) -> str:
     """Skips where the CPU lacks the panels `kind` names; sets up their path for this test (put
     back after it). Returns the kind tiny_model takes ("bf16-dot" is "bf16" on the dot loop)."""
     if kind.startswith("bf16") and not cpu_kernels.bf16_matmul_available():
-        pytest.skip("bf16 panels need a CPU with AVX512-BF16")
+        pytest.skip("bf16 panels need a CPU with AVX512-BF16, or AVX2 and FMA")
     if kind == "bf16-dot":
+        if "dot" not in cpu_kernels.bf16_matmul_paths():
+            pytest.skip("the vdpbf16ps loop needs AVX512-BF16 (the AVX2 loop runs as \"bf16\")")
         cpu_kernels.set_bf16_matmul_path("dot")
         request.addfinalizer(lambda: cpu_kernels.set_bf16_matmul_path("amx"))
         return "bf16"

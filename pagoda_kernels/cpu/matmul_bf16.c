@@ -33,21 +33,12 @@
 #include "common.h"
 #include "layer_kernels.h"
 
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-
-#include "avx512.h"
-
 #define PANEL 32          /* output columns per panel: two 16-column B tiles */
 #define KSTEP 32          /* K values per tile row: 64 bytes of bf16 */
 #define TILE_ELEMS 512    /* bf16 values in one 16 x 64-byte tile */
-#define ROW_CHUNK 256     /* rows whose x stays in L2 while every panel passes */
-#define PREFETCH_STEPS 4  /* K steps (2 KiB each) ahead, AMX loop */
-/* The vdpbf16ps loop computes a step more slowly than the tiles: 8 steps ahead streamed the LM
- * head (56 MB, cold) at 355-400 GFLOP/s against 327-393 with 4, the layers the same. */
-#define DOT_PREFETCH_STEPS 8
 
-/* W [n, k] -> panels (see the top). Returns -1 when n or k is not a multiple of 32. */
+/* W [n, k] -> panels (see the top; the AVX2 loop, matmul_bf16_avx2.c, reads them too). Returns
+ * -1 when n or k is not a multiple of 32. */
 int matmul_bf16_pack(const uint16_t *w, int64_t n, int64_t k, int gate_up, uint16_t *out) {
     if (n % PANEL || k % KSTEP) return -1;
     const int64_t panels = n / PANEL, steps = k / KSTEP;
@@ -66,6 +57,17 @@ int matmul_bf16_pack(const uint16_t *w, int64_t n, int64_t k, int gate_up, uint1
             }
     return 0;
 }
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+
+#include "avx512.h"
+
+#define ROW_CHUNK 256     /* rows whose x stays in L2 while every panel passes */
+#define PREFETCH_STEPS 4  /* K steps (2 KiB each) ahead, AMX loop */
+/* The vdpbf16ps loop computes a step more slowly than the tiles: 8 steps ahead streamed the LM
+ * head (56 MB, cold) at 355-400 GFLOP/s against 327-393 with 4, the layers the same. */
+#define DOT_PREFETCH_STEPS 8
 
 static inline __m512 bias16(const uint16_t *bias) {
     return bias ? load16_bf16(bias) : _mm512_setzero_ps();
@@ -403,18 +405,14 @@ int matmul_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t *
     return 0;
 }
 
-#else /* no AVX512-BF16: neither loop; callers keep oneDNN */
+#elif !(defined(__AVX2__) && defined(__FMA__)) /* AVX2: matmul_bf16_avx2.c. Else neither
+                                                 * loop; callers keep oneDNN */
 
 int matmul_amx_available(void) { return 0; }
 
 void set_matmul_bf16_loop(int choice) { (void)choice; }
 
 int matmul_bf16_path(void) { return 0; }
-
-int matmul_bf16_pack(const uint16_t *w, int64_t n, int64_t k, int gate_up, uint16_t *out) {
-    (void)w, (void)n, (void)k, (void)gate_up, (void)out;
-    return -2;
-}
 
 int matmul_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t *packed,
                 const uint16_t *bias, int64_t n, int64_t k, int gate_up, uint16_t *y) {

@@ -21,6 +21,8 @@
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
+#include "avx2_rows.h"
+
 #define PANEL 32       /* output columns per panel, as matmul_f32.c packs them */
 #define HALF 16        /* columns a block takes: two vectors */
 #define CHUNK_BYTES (256 << 10)  /* x a thread takes against its panels before the next chunk */
@@ -31,12 +33,7 @@
     do {                                                                                           \
         const __m256 b0 = _mm256_loadu_ps(half + s * PANEL);                                       \
         const __m256 b1 = _mm256_loadu_ps(half + s * PANEL + 8);                                   \
-        _Pragma("GCC unroll 8")                                                                    \
-        for (int i = 0; i < R; i++) {                                                              \
-            const __m256 a = _mm256_broadcast_ss(x + i * x_stride + s);                            \
-            acc0[i] = _mm256_fmadd_ps(a, b0, acc0[i]);                                             \
-            acc1[i] = _mm256_fmadd_ps(a, b1, acc1[i]);                                             \
-        }                                                                                          \
+        AVX2_ROWS_FMA(R, x + i * x_stride + s, b0, b1);                                            \
     } while (0)
 
 /* R rows x one half. `bias` points at the half's 16 biases (or NULL). `epilogue`: 0 stores

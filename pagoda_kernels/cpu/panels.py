@@ -1,7 +1,8 @@
 """The panel matmuls: y = x W^T (+ bias) with W packed once into panels of 32 output columns
 that a matmul streams in memory order, for the layers and LM head of bf16 models
-(matmul_bf16.c: AMX tiles or AVX512-BF16 dot products) and of fp32 models (matmul_f32.c:
-AVX-512 FMA; matmul_f32_avx2.c: AVX2 FMA). A gate/up weight packed with `gate_up` returns
+(matmul_bf16.c: AMX tiles or AVX512-BF16 dot products; matmul_bf16_avx2.c: bf16 widened to
+fp32 for AVX2 FMA) and of fp32 models (matmul_f32.c: AVX-512 FMA; matmul_f32_avx2.c: AVX2
+FMA). A gate/up weight packed with `gate_up` returns
 SiLU(gate) * up instead."""
 from collections.abc import Callable
 
@@ -32,7 +33,7 @@ def set_f32_matmul(on: bool) -> None:
 
 def bf16_matmul_available() -> bool:
     """Whether the bf16 panel matmul runs here: built for a CPU with AVX512-BF16 (its AMX loop
-    also needs AMX, granted by the OS)."""
+    also needs AMX, granted by the OS), or else with AVX2 and FMA."""
     lib = load()
     return lib is not None and lib.matmul_bf16_path() > 0
 
@@ -44,24 +45,33 @@ def f32_matmul_available() -> bool:
 
 
 _BF16_PATHS = ("amx", "dot", "amx-stream")  # in the order of set_matmul_bf16_loop's choices
+_BF16_AVX2_PATH = 3  # matmul_bf16_path()'s answer where the library has the AVX2 loop
 
 
 def bf16_matmul_paths() -> list[str]:
-    """The loops of the bf16 panel matmul this machine runs: "dot" (vdpbf16ps) wherever the
-    matmul runs; where AMX is granted too, "amx" (K-blocked from 512 rows) and "amx-stream"
-    (AMX's streaming loop at every batch size)."""
+    """The loops of the bf16 panel matmul this machine runs: "dot" (vdpbf16ps) wherever
+    AVX512-BF16 runs it; where AMX is granted too, "amx" (K-blocked from 512 rows) and
+    "amx-stream" (AMX's streaming loop at every batch size); "avx2" alone on CPUs with AVX2
+    and FMA but no AVX512-BF16."""
     lib = load()
     if lib is None or lib.matmul_bf16_path() == 0:
         return []
+    if lib.matmul_bf16_path() == _BF16_AVX2_PATH:
+        return ["avx2"]
     return ["dot"] + (["amx", "amx-stream"] if lib.matmul_amx_available() else [])
 
 
 def set_bf16_matmul_path(path: str) -> None:
     """Run the bf16 panel matmul on `path` ("amx", the default, which is the dot loop where AMX
-    does not run; "dot"; or "amx-stream"), for checking and comparing the loops on one
-    machine; takes effect at the next call."""
+    does not run and the AVX2 loop where AVX512-BF16 does not; "dot"; "amx-stream"; or "avx2"
+    where that is the loop), for checking and comparing the loops on one machine; takes effect
+    at the next call."""
+    if path == "avx2":
+        if path not in bf16_matmul_paths():
+            raise ValueError("the bf16 matmul's avx2 loop runs only where AVX512-BF16 does not")
+        return  # the only loop there
     if path not in _BF16_PATHS:
-        raise ValueError(f"bf16 matmul path must be one of {', '.join(_BF16_PATHS)}; "
+        raise ValueError(f"bf16 matmul path must be one of {', '.join(_BF16_PATHS)}, avx2; "
                          f"got {path!r}")
     lib = load()
     if lib is not None:
@@ -125,8 +135,8 @@ def pack_bf16_weight(weight: torch.Tensor, gate_up: bool = False,
                      empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] = torch.empty,
                      ) -> torch.Tensor | None:
     """A bf16 weight [N, K] on the CPU rearranged for `bf16_linear` (same size, in memory from
-    `empty(shape, dtype)`), or None where that does not run: no AVX512-BF16, another dtype or
-    device, N or K not a multiple of 32. With `gate_up` the weight is [gate; up] and the matmul
+    `empty(shape, dtype)`), or None where that does not run: neither AVX512-BF16 nor AVX2 and
+    FMA, another dtype or device, N or K not a multiple of 32. With `gate_up` the weight is [gate; up] and the matmul
     returns SiLU(gate) * up."""
     return _pack(weight, torch.bfloat16, gate_up, empty)
 
