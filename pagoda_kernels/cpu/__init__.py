@@ -33,7 +33,8 @@ from pagoda_kernels.cpu.int8 import (INT8_PATHS, int8_kernels_available, int8_li
 __all__ = [
     "load", "unavailable_reason", "available_for",
     # attention and the KV cache
-    "attention_simd_available", "set_attention_simd", "supports", "write_kv_cache",
+    "attention_simd_available", "attention_simd_path", "set_attention_simd", "supports",
+    "write_kv_cache",
     "paged_decode_attention", "prefill_paths", "set_prefill_path", "causal_prefill_supports",
     "causal_prefill_attention",
     # layer ops, sampling
@@ -57,13 +58,19 @@ __all__ = [
 
 
 def attention_simd_available() -> bool:
-    """Whether decode attention has its AVX-512 path here (built with AVX-512 for this CPU)."""
+    """Whether decode attention has a vector path here: AVX-512 (every cache dtype), or AVX2 and
+    FMA without AVX-512 (fp32 and bf16 caches; 8-bit ones run the portable loop)."""
+    return attention_simd_path() != ""
+
+
+def attention_simd_path() -> str:
+    """"avx512", "avx2" or "" (none): the decode attention vector loop this build has."""
     lib = load()
-    return lib is not None and bool(lib.attention_simd_available())
+    return "" if lib is None else ["", "avx2", "avx512"][lib.attention_simd_available()]
 
 
 def set_attention_simd(on: bool) -> None:
-    """Use (default) or bypass the AVX-512 decode attention, for comparing it with the portable
+    """Use (default) or bypass the vector decode attention, for comparing it with the portable
     loop on one machine. Process-wide."""
     lib = load()
     if lib is not None:

@@ -26,6 +26,20 @@
 #include "paged_attention.h"
 #include "layer_kernels.h"
 
+int pagoda_attention_simd = 1;
+
+void set_attention_simd(int on) { pagoda_attention_simd = on; }
+
+int attention_simd_available(void) {
+#if defined(__AVX512F__)
+    return 2;
+#elif defined(__AVX2__) && defined(__FMA__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 #define MAX_HEADS 16    /* query heads per work item (so per KV head, at most) */
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK 128

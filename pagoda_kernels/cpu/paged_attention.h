@@ -38,9 +38,11 @@ static inline int kv_heads_per_item(int num_seqs, int num_kv_heads, int group, i
     return 1;
 }
 
-/* Whether the library was built with the AVX-512 path; set_attention_simd(0) turns it off (tests
- * compare both paths on one machine). */
+/* The vector path the library was built with: 2 paged_attention_avx512.c (every cache dtype), 1
+ * paged_attention_avx2.c (fp32 and bf16 caches), 0 none. set_attention_simd(0) turns it off
+ * (tests compare it with the portable loop on one machine); the flag is read by those paths. */
 int attention_simd_available(void);
 void set_attention_simd(int on);
+extern int pagoda_attention_simd;
 
 #endif

@@ -22,10 +22,6 @@
 #include "kv_quant.h"
 #include "paged_attention.h"
 
-static int pagoda_attention_simd = 1;
-
-void set_attention_simd(int on) { pagoda_attention_simd = on; }
-
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -508,8 +504,9 @@ int NAME(const T *query, int64_t q_stride, const uint8_t *key_cache, const uint8
 DEFINE_SIMD_DECODE_Q8(paged_decode_q8_simd_f32, float, f32)
 DEFINE_SIMD_DECODE_Q8(paged_decode_q8_simd_bf16, uint16_t, bf16)
 
-#else /* no AVX-512: the portable loop does everything */
+#else /* no AVX-512: paged_attention_avx2.c's loop (fp32 and bf16 caches) or the portable one */
 
+#if !(defined(__AVX2__) && defined(__FMA__))
 int paged_decode_simd_f32(const float *query, int64_t q_stride, const float *key_cache,
                           const float *value_cache, const int64_t *block_tables,
                           int64_t bt_stride, const int64_t *seq_lens, float *out, int num_seqs,
@@ -525,6 +522,7 @@ int paged_decode_simd_bf16(const uint16_t *query, int64_t q_stride, const uint16
                            int block_size, float scale) {
     return -1;
 }
+#endif
 
 int paged_decode_q8_simd_f32(const float *query, int64_t q_stride, const uint8_t *key_cache,
                              const uint8_t *value_cache, const int64_t *block_tables,
@@ -543,11 +541,3 @@ int paged_decode_q8_simd_bf16(const uint16_t *query, int64_t q_stride, const uin
 }
 
 #endif
-
-int attention_simd_available(void) {
-#if defined(__AVX512F__)
-    return 1;
-#else
-    return 0;
-#endif
-}
