@@ -24,7 +24,12 @@
 #include "avx2.h"
 
 #define TILE 8
+#ifndef FETCH_AHEAD
 #define FETCH_AHEAD 16 /* tokens: two tiles ahead */
+#endif
+#ifndef FETCH_LOCALITY
+#define FETCH_LOCALITY 2 /* into L2 */
+#endif
 _Static_assert(FETCH_AHEAD % TILE == 0, "FETCH_AHEAD must be a multiple of TILE");
 #define ITEM_HEADS 16 /* query heads per work item at most: bounds each item's stack frame */
 
@@ -74,9 +79,9 @@ static inline float sum8(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
 }
 
-/* `bytes` of the row at `row` into L2. */
+/* `bytes` of the row at `row` into L2 (FETCH_LOCALITY). */
 static inline __attribute__((always_inline)) void fetch_l2(const void *row, int bytes) {
-    for (int c = 0; c < bytes; c += 64) __builtin_prefetch((const char *)row + c, 0, 2);
+    for (int c = 0; c < bytes; c += 64) __builtin_prefetch((const char *)row + c, 0, FETCH_LOCALITY);
 }
 
 /* One sequence and `kv_heads` of its KV heads (from the one `query`, `key_cache`, `value_cache`
