@@ -67,8 +67,9 @@ def test_avx2_bf16_panel_matmul_equals_f_linear(avx2, gate_up, bias):
     n, k = 96, 64
     weight = (torch.randn(n, k, generator=g) * 0.1).to(torch.bfloat16)
     b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
-    # 1-23 rows on the packed tiles in blocks of 4; 24 and more widened, in blocks of 6
-    for rows in (1, 3, 4, 5, 9, 23, 24, 25, 64, 257):
+    # 1-23 rows on the packed tiles in blocks of 4; 24 and more widened, in blocks of 6 (26, 27:
+    # last blocks of 2 and 3 rows)
+    for rows in (1, 3, 4, 5, 9, 23, 24, 25, 26, 27, 64, 257):
         wide = torch.randn(rows, k + 32, generator=g).to(torch.bfloat16)
         x = wide[:, 32:32 + k]  # rows k + 32 apart
         _check(_run(avx2, x, weight, b, gate_up), x, weight, b, gate_up)

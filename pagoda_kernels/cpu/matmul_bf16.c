@@ -1,5 +1,6 @@
 /* bf16 matmul over packed panels: y = x W^T (+ bias), optionally followed by SiLU(gate) * up,
- * for the layers and LM head of bf16 models on CPUs with AMX or with AVX512-BF16. One packed
+ * for the layers and LM head of bf16 models on CPUs with AMX or with AVX512-BF16 (on CPUs with
+ * AVX2 and FMA but no AVX-512, matmul_bf16_avx2.c multiplies the same panels). One packed
  * copy of each weight serves two loops:
  * - AMX tiles, where the CPU has them and the OS grants them (Sapphire Rapids and later);
  * - vdpbf16ps dot products elsewhere (AVX512-BF16: Zen 4 and later, Cooper Lake). The packed
@@ -405,8 +406,9 @@ int matmul_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t *
     return 0;
 }
 
-#elif !(defined(__AVX2__) && defined(__FMA__)) /* AVX2: matmul_bf16_avx2.c. Else neither
-                                                 * loop; callers keep oneDNN */
+#elif defined(__AVX512F__) || !(defined(__AVX2__) && defined(__FMA__))
+/* Neither loop: callers keep oneDNN (which has a bf16 kernel on AVX-512 CPUs without
+ * AVX512-BF16). AVX2 and FMA without AVX-512: matmul_bf16_avx2.c. */
 
 int matmul_amx_available(void) { return 0; }
 

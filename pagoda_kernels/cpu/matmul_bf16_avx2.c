@@ -13,7 +13,7 @@
  *   the cost): a tile row is 16 columns, each with a pair of K values (2r, 2r + 1); a 32-byte
  *   load holds 8 columns' pairs, and shifting each 32-bit lane left by 16 gives the 8 columns'
  *   first K value as floats, clearing its low 16 bits their second. A block is 4 rows against
- *   one 16-column tile: per K pair two loads and six shifts among 16 FMAs.
+ *   one 16-column tile: per K pair two loads, two shifts and two ANDs among 16 FMAs.
  * - Widened, for more rows: each thread widens a panel's tile once per chunk into a buffer of K
  *   rows of 16 floats (L1/L2) and runs blocks of 6 rows on it as the fp32 loop runs its half
  *   panels, no shifts among the FMAs. The widening's cost is shared by the chunk's blocks.
@@ -31,7 +31,7 @@
 #include "common.h"
 #include "layer_kernels.h"
 
-#if !defined(__AVX512BF16__) && defined(__AVX2__) && defined(__FMA__)
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
 #include "avx2.h"
@@ -78,7 +78,9 @@ static inline void write8(__m256 z, int epilogue, uint16_t *out) {
         }                                                                                          \
     } while (0)
 
-/* Tile row r of one step: its 16 columns' pair against R rows of x (fp32, from xs). */
+/* Tile row r of one step: its 16 columns' pair against R rows of x (fp32, from xs). The first K
+ * value of a pair is the low half of a 32-bit lane (shifted up), the second the high half (the
+ * low one masked off). */
 #define PAIR_STEP(R)                                                                               \
     do {                                                                                           \
         const __m256i w0 = _mm256_loadu_si256((const __m256i *)(tile + r * 32));                  \
@@ -86,8 +88,8 @@ static inline void write8(__m256 z, int epilogue, uint16_t *out) {
         const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16));                         \
         const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16));                         \
         AVX2_ROWS_FMA(R, xs + i * x_stride + 2 * r, e0, e1);                                       \
-        const __m256 o0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(w0, 16), 16));   \
-        const __m256 o1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(w1, 16), 16));   \
+        const __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(w0, high));                       \
+        const __m256 o1 = _mm256_castsi256_ps(_mm256_and_si256(w1, high));                       \
         AVX2_ROWS_FMA(R, xs + i * x_stride + 2 * r + 1, o0, o1);                                   \
     } while (0)
 
@@ -97,6 +99,7 @@ static inline void write8(__m256 z, int epilogue, uint16_t *out) {
 #define DEFINE_BLOCK(R)                                                                            \
 static void block_##R(const float *x, int64_t x_stride, const uint16_t *half, int64_t steps,     \
                       const uint16_t *bias, int epilogue, uint16_t *y, int64_t y_cols) {          \
+    const __m256i high = _mm256_set1_epi32((int)0xffff0000u);                                      \
     __m256 acc0[R], acc1[R];                                                                       \
     for (int i = 0; i < R; i++) acc0[i] = acc1[i] = _mm256_setzero_ps();                           \
     for (int64_t s = 0; s < steps; s++) {                                                          \
@@ -120,6 +123,7 @@ _Static_assert(BF16_AVX2_ROWS >= 1 && BF16_AVX2_ROWS <= 6, "blocks of 1 to 6 row
 
 /* Tile `half` of every step (steps 2 * TILE_ELEMS apart) -> wide [steps * 32][16] floats. */
 static void widen_tile(const uint16_t *half, int64_t steps, float *wide) {
+    const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
     for (int64_t s = 0; s < steps; s++) {
         const uint16_t *tile = half + s * 2 * TILE_ELEMS;
         float *rows = wide + s * KSTEP * HALF;
@@ -129,7 +133,7 @@ static void widen_tile(const uint16_t *half, int64_t steps, float *wide) {
                 _mm256_storeu_ps(rows + (2 * r) * HALF + q * 8,
                                  _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
                 _mm256_storeu_ps(rows + (2 * r + 1) * HALF + q * 8,
-                                 _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(w, 16), 16)));
+                                 _mm256_castsi256_ps(_mm256_and_si256(w, high)));
             }
     }
 }
@@ -163,6 +167,16 @@ void set_matmul_bf16_loop(int choice) { (void)choice; } /* one loop here */
 /* The loop matmul_bf16 runs: 3, this one (matmul_bf16.c: 2 AMX, 1 vdpbf16ps). */
 int matmul_bf16_path(void) { return 3; }
 
+/* Rows a chunk for blocks of R rows: whole blocks holding about CHUNK_BYTES of widened x, as
+ * even as whole blocks make them (as matmul_f32_avx2.c sizes its chunks). */
+static int64_t even_chunk_rows(int64_t m, int64_t k, int R) {
+    const int64_t blocks_in_m = (m + R - 1) / R;
+    const int64_t fit_rows = CHUNK_BYTES / (k * (int64_t)sizeof(float));
+    const int64_t most_blocks = fit_rows > R ? (fit_rows + R - 1) / R : 1;
+    const int64_t chunks = (blocks_in_m + most_blocks - 1) / most_blocks;
+    return (blocks_in_m + chunks - 1) / chunks * R;
+}
+
 /* y [m, n] (or [m, n/2] with gate_up) = x [m, k] (rows x_stride apart) W^T + bias, W packed by
  * matmul_bf16_pack. Returns -1 for shapes it cannot run, -3 when x's fp32 copy cannot be
  * allocated. */
@@ -171,23 +185,19 @@ int matmul_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t *
     if (n % PANEL || k % KSTEP || k <= 0) return -1;
     if (m <= 0) return 0;
     const int64_t panels = n / PANEL, steps = k / KSTEP, y_cols = gate_up ? n / 2 : n;
-    const int R = m >= WIDEN_MIN_ROWS ? WIDE_ROWS : BF16_AVX2_ROWS;
-    /* Chunks of whole blocks holding about CHUNK_BYTES of widened x, as even as whole blocks
-     * make them (as matmul_f32_avx2.c sizes its chunks). */
-    const int64_t blocks_in_m = (m + R - 1) / R;
-    const int64_t fit_rows = CHUNK_BYTES / (k * (int64_t)sizeof(float));
-    const int64_t most_blocks = fit_rows > R ? (fit_rows + R - 1) / R : 1;
-    const int64_t chunks = (blocks_in_m + most_blocks - 1) / most_blocks;
-    const int64_t chunk_rows = (blocks_in_m + chunks - 1) / chunks * R;
+    /* Chunks sized for widened blocks; where that leaves too few rows a chunk to widen (long
+     * rows), sized again for blocks on the tiles, so no chunk ends in a short block needlessly. */
+    int64_t chunk_rows = m >= WIDEN_MIN_ROWS ? even_chunk_rows(m, k, WIDE_ROWS) : 0;
+    const int widen_any = chunk_rows >= WIDEN_MIN_ROWS;
+    if (!widen_any) chunk_rows = even_chunk_rows(m, k, BF16_AVX2_ROWS);
     float *x32 = malloc((size_t)(chunk_rows * k) * sizeof(float));
     if (!x32) return -3;
     int failed = 0;
     #pragma omp parallel
     {
         /* 64-byte aligned: a K row is one cache line (a split load costs twice) */
-        float *wide = m >= WIDEN_MIN_ROWS ? aligned_alloc(64, (size_t)(k * HALF) * sizeof(float))
-                                          : NULL;
-        if (m >= WIDEN_MIN_ROWS && !wide) {
+        float *wide = widen_any ? aligned_alloc(64, (size_t)(k * HALF) * sizeof(float)) : NULL;
+        if (widen_any && !wide) {
             #pragma omp atomic write
             failed = 1;
         }
@@ -199,8 +209,8 @@ int matmul_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t *
                 for (int64_t j = 0; j < k; j++)
                     x32[(i - chunk) * k + j] = bf16_to_float(x[i * x_stride + j]);
             /* (the loop's barrier: every row widened before any block reads it) */
-            const int widen = chunk_end - chunk >= WIDEN_MIN_ROWS;
-            const int R = widen ? WIDE_ROWS : BF16_AVX2_ROWS;
+            const int widen = widen_any && chunk_end - chunk >= WIDEN_MIN_ROWS;
+            const int block_rows = widen ? WIDE_ROWS : BF16_AVX2_ROWS;
             #pragma omp for schedule(static) nowait
             for (int64_t p = 0; p < panels; p++)
                 for (int h = 0; h < 2; h++) {
@@ -211,8 +221,9 @@ int matmul_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t *
                     const uint16_t *b = bias ? bias + bias_col : NULL;
                     const int epilogue = gate_up ? 1 + h : 0;
                     if (widen) widen_tile(half, steps, wide);
-                    for (int64_t r0 = chunk; r0 < chunk_end; r0 += R) {
-                        const int rows = (int)(chunk_end - r0 < R ? chunk_end - r0 : R);
+                    for (int64_t r0 = chunk; r0 < chunk_end; r0 += block_rows) {
+                        const int rows = (int)(chunk_end - r0 < block_rows ? chunk_end - r0
+                                                                           : block_rows);
                         const float *xr = x32 + (r0 - chunk) * k;
                         uint16_t *yr = y + r0 * y_cols + col;
                         if (widen)

@@ -1,4 +1,5 @@
-/* The AVX-512 decode attention (paged_attention_avx512.c), tried first by paged_attention.c. */
+/* The vector decode attention (paged_attention_avx512.c, or paged_attention_avx2.c without
+ * AVX-512), tried first by paged_attention.c. */
 #ifndef PAGODA_CPU_PAGED_ATTENTION_H
 #define PAGODA_CPU_PAGED_ATTENTION_H
 

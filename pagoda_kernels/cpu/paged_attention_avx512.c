@@ -1,7 +1,8 @@
 /* Paged decode attention with AVX-512: the fast path of paged_attention.c for head_dim 64 and
  * 128 and up to 8 query heads per KV head (what Llama-family models use). Same inputs, same
- * result up to float rounding order; the portable loop in paged_attention.c runs everywhere
- * else, and when this file is built without AVX-512.
+ * result up to float rounding order; the portable loop in paged_attention.c runs every other
+ * shape. Built without AVX-512, this file leaves fp32 and bf16 caches to paged_attention_avx2.c
+ * (where the CPU has AVX2 and FMA) and 8-bit caches to the portable loop.
  *
  * Why it is faster than the portable loop: the portable loop reduces every (token, head) dot
  * product to a scalar on its own, which costs more than the multiply-adds, and keeps its

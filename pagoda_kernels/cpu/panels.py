@@ -66,10 +66,11 @@ def set_bf16_matmul_path(path: str) -> None:
     does not run and the AVX2 loop where AVX512-BF16 does not; "dot"; "amx-stream"; or "avx2"
     where that is the loop), for checking and comparing the loops on one machine; takes effect
     at the next call."""
-    if path == "avx2":
-        if path not in bf16_matmul_paths():
-            raise ValueError("the bf16 matmul's avx2 loop runs only where AVX512-BF16 does not")
-        return  # the only loop there
+    if path == "avx2" or "avx2" in bf16_matmul_paths():
+        if path == "amx" or path in bf16_matmul_paths():
+            return  # the AVX2 loop, the only one there
+        raise ValueError(f"the bf16 matmul runs {' and '.join(bf16_matmul_paths()) or 'no'} "
+                         f"loop here, not {path!r}")
     if path not in _BF16_PATHS:
         raise ValueError(f"bf16 matmul path must be one of {', '.join(_BF16_PATHS)}, avx2; "
                          f"got {path!r}")

@@ -6,6 +6,8 @@
   than oneDNN (faster on the layers, about even on the LM head); both keep up with it on
   prompts. The fused gate/up projection also applies SiLU(gate) * up before anything
   is written.
+- bf16 on a CPU with AVX2 and FMA but no AVX-512: the same panels, multiplied in fp32 by
+  matmul_bf16_avx2.c (oneDNN has no bf16 kernel there: torch's bf16 matmul ran ~6x slower).
 - bf16 elsewhere on the CPU (or a shape that kernel does not take): packed into oneDNN's blocked
   layout. The plain bf16 matmul repacks the weight on every call, which at decode batch sizes
   costs as much as the product (measured, 30 layers of the default model at batch 64: 1.6x
