@@ -7,12 +7,10 @@ import torch
 
 from pagoda_kernels import reference
 from pagoda_kernels.cpu import bind, build
-from tests.test_f32_panels_avx2 import _has_avx2_fma
 from tests.test_cpu_kernels import PagedCase
+from tests.test_f32_panels_avx2 import NEEDS_AVX2_FMA
 
-pytestmark = pytest.mark.skipif(not _has_avx2_fma() or build.load() is None,
-                                reason="the AVX2 loop needs a CPU with AVX2 and FMA (and a C "
-                                       "compiler)")
+pytestmark = NEEDS_AVX2_FMA
 
 # (num_kv_heads, group, head_dim, block_size, seq_lens): every group the loop takes at head_dim
 # 64 and 128; block sizes not a multiple of its 8-token tile; a sequence ending mid-tile; a batch

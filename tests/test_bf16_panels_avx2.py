@@ -1,33 +1,27 @@
 """The AVX2 loops of the bf16 panel matmul (pagoda_kernels/cpu/matmul_bf16_avx2.c) on any CPU
 with AVX2 and FMA: the kernels built a second time without AVX-512 (`build.load_variant`), so a
-CPU with AVX512-BF16, which runs matmul_bf16.c's loops, checks them too. Both of its loops: on
+CPU with AVX-512, whose own build runs matmul_bf16.c's loops or leaves bf16 to oneDNN, checks
+them too. Both of its loops: on
 the packed tiles (chunks of fewer than 24 rows) and on tiles widened to fp32 (24 or more)."""
-import ctypes
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from pagoda_kernels.cpu import build
+from pagoda_kernels.cpu import bind, build
+from pagoda_kernels.cpu.bind import data_ptr as _ptr
 from tests.test_cpu_kernels import bf16_step, bf16_ulps, silu_and_mul, summation_slack
-from tests.test_f32_panels_avx2 import _has_avx2_fma
+from tests.test_f32_panels_avx2 import NEEDS_AVX2_FMA
 
-pytestmark = pytest.mark.skipif(not _has_avx2_fma() or build.load() is None,
-                                reason="the AVX2 loops need a CPU with AVX2 and FMA (and a C "
-                                       "compiler)")
+pytestmark = NEEDS_AVX2_FMA
 
 
 @pytest.fixture(scope="module")
 def avx2():
     lib = build.load_variant(["-mno-avx512f"])
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.matmul_bf16_pack.argtypes = [p, i64, i64, i32, p]
-    lib.matmul_bf16.argtypes = [p, i64, i64, p, p, i64, i64, i32, p]
+    for name in ("matmul_bf16_pack", "matmul_bf16"):
+        getattr(lib, name).argtypes, getattr(lib, name).restype = bind._SIGNATURES[name]
     return lib
-
-
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
 
 
 def _run(lib, x, weight, bias, gate_up):

@@ -21,9 +21,12 @@ def _has_avx2_fma() -> bool:
     return "avx2" in flags and "fma" in flags
 
 
-pytestmark = pytest.mark.skipif(not _has_avx2_fma() or build.load() is None,
-                                reason="the AVX2 loops need a CPU with AVX2 and FMA (and a C "
-                                       "compiler)")
+# The skip of every test of an AVX2 loop (this file's, test_bf16_panels_avx2.py's,
+# test_attention_avx2.py's).
+NEEDS_AVX2_FMA = pytest.mark.skipif(not _has_avx2_fma() or build.load() is None,
+                                    reason="the AVX2 loops need a CPU with AVX2 and FMA (and a C "
+                                           "compiler)")
+pytestmark = NEEDS_AVX2_FMA
 
 
 @pytest.fixture(scope="module")

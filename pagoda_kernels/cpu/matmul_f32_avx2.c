@@ -10,9 +10,10 @@
  * (matmul_f32_pack): the gate pass writes SiLU(gate) where the output goes and the up pass
  * multiplies it in.
  *
- * No software prefetch of the next panel as in the AVX-512 loop: at a decode batch of 64 a core
- * at its FMA rate reads ~1 GB/s of weight (32 flops a byte), which the hardware prefetchers keep
- * up with. */
+ * The first block of each half also fetches the same half of the thread's next panel into L2,
+ * a line per K step, so that the next panel's first block does not wait on memory: at a decode
+ * batch of 64 every panel is read from memory once and from L2 by the blocks after the first,
+ * and the first block's loads, with only 2R FMAs per line, were bound by memory latency. */
 #include <stdint.h>
 
 #include "common.h"
@@ -28,9 +29,14 @@
 #define CHUNK_BYTES (256 << 10)  /* x a thread takes against its panels before the next chunk */
 #define MAX_ROWS 6
 
+#ifndef F32_FETCH_NEXT
+#define F32_FETCH_NEXT 1 /* 0: no fetch of the next panel (a -D knob for measuring) */
+#endif
+
 /* One K step `s` of a block: the half's two vectors at row s against R broadcast x values. */
-#define HALF_STEP(R)                                                                               \
+#define HALF_STEP(R, FETCH)                                                                        \
     do {                                                                                           \
+        if (FETCH) __builtin_prefetch(fetch + s * PANEL, 0, 2);                                    \
         const __m256 b0 = _mm256_loadu_ps(half + s * PANEL);                                       \
         const __m256 b1 = _mm256_loadu_ps(half + s * PANEL + 8);                                   \
         AVX2_ROWS_FMA(R, x + i * x_stride + s, b0, b1);                                            \
@@ -38,13 +44,16 @@
 
 /* R rows x one half. `bias` points at the half's 16 biases (or NULL). `epilogue`: 0 stores
  * x W^T + b, 1 stores SiLU of it (a gate half), 2 multiplies it into what y holds (an up
- * half). */
-#define DEFINE_BLOCK(R)                                                                            \
-static void block_##R(const float *x, int64_t x_stride, const float *half, int64_t k,            \
-                      const float *bias, int epilogue, float *y, int64_t y_cols) {                \
+ * half). With FETCH (a constant, so that no branch sits among the FMAs: one there left the
+ * accumulators in memory, half the rate), `fetch`, the same half of another panel, is fetched
+ * into L2 a line per K step. */
+#define DEFINE_BLOCK(NAME, R, FETCH)                                                               \
+static void NAME(const float *x, int64_t x_stride, const float *half, int64_t k,                 \
+                      const float *bias, int epilogue, float *y, int64_t y_cols,                  \
+                      const float *fetch) {                                                       \
     __m256 acc0[R], acc1[R];                                                                       \
     for (int i = 0; i < R; i++) acc0[i] = acc1[i] = _mm256_setzero_ps();                           \
-    for (int64_t s = 0; s < k; s++) HALF_STEP(R);                                                  \
+    for (int64_t s = 0; s < k; s++) HALF_STEP(R, FETCH);                                           \
     float v[R][HALF];                                                                              \
     _Pragma("GCC unroll 8")                                                                        \
     for (int i = 0; i < R; i++) {                                                                  \
@@ -62,12 +71,17 @@ static void block_##R(const float *x, int64_t x_stride, const float *half, int64
     }                                                                                              \
 }
 
-DEFINE_BLOCK(1) DEFINE_BLOCK(2) DEFINE_BLOCK(3) DEFINE_BLOCK(4) DEFINE_BLOCK(5) DEFINE_BLOCK(6)
+DEFINE_BLOCK(block_1, 1, 0) DEFINE_BLOCK(block_2, 2, 0) DEFINE_BLOCK(block_3, 3, 0)
+DEFINE_BLOCK(block_4, 4, 0) DEFINE_BLOCK(block_5, 5, 0) DEFINE_BLOCK(block_6, 6, 0)
+DEFINE_BLOCK(fetching_1, 1, 1) DEFINE_BLOCK(fetching_2, 2, 1) DEFINE_BLOCK(fetching_3, 3, 1)
+DEFINE_BLOCK(fetching_4, 4, 1) DEFINE_BLOCK(fetching_5, 5, 1) DEFINE_BLOCK(fetching_6, 6, 1)
 
 typedef void (*block_fn)(const float *, int64_t, const float *, int64_t, const float *, int,
-                         float *, int64_t);
+                         float *, int64_t, const float *);
 static const block_fn blocks[MAX_ROWS + 1] = {NULL, block_1, block_2, block_3, block_4, block_5,
                                               block_6};
+static const block_fn fetching_blocks[MAX_ROWS + 1] = {NULL, fetching_1, fetching_2, fetching_3,
+                                                       fetching_4, fetching_5, fetching_6};
 
 static int block_rows = MAX_ROWS;  /* rows per block: 4 or 6 */
 
@@ -110,11 +124,14 @@ int matmul_f32(const float *x, int64_t x_stride, int64_t m, const float *packed,
                 const int64_t col = gate_up ? p * HALF : p * PANEL + h * HALF;
                 const int64_t bias_col = gate_up ? (h ? n / 2 : 0) + p * HALF : col;
                 const int epilogue = gate_up ? 1 + h : 0;
+                /* (the next panel may be another thread's at the end of this one's share) */
+                const float *next = F32_FETCH_NEXT && p + 1 < panels ? half + k * PANEL : NULL;
                 for (int64_t r0 = chunk; r0 < chunk_end; r0 += R) {
                     const int rows = (int)(chunk_end - r0 < R ? chunk_end - r0 : R);
-                    blocks[rows](x + r0 * x_stride, x_stride, half, k,
-                                 bias ? bias + bias_col : NULL, epilogue,
-                                 y + r0 * y_cols + col, y_cols);
+                    const block_fn block = r0 == chunk && next ? fetching_blocks[rows]
+                                                               : blocks[rows];
+                    block(x + r0 * x_stride, x_stride, half, k, bias ? bias + bias_col : NULL,
+                          epilogue, y + r0 * y_cols + col, y_cols, next);
                 }
             }
     }
