@@ -1,9 +1,9 @@
 """CPU kernels in C (built on first use, see build.py): paged decode attention, causal prefill
 attention for whole prompts, the KV cache write, the element-wise layer ops, greedy sampling
 and the sampler's random draws (race_sample.c), the bf16 and fp32 panel matmuls (AMX,
-AVX512-BF16 or AVX-512 FMA; AVX2 and FMA without AVX-512), int8 weight-only and w8a8 matmuls, matmuls on GGUF blocks
-(matmul_gguf.c), and a decoder layer's work around attention chained into two calls, or a
-decode step's layers into one (blocks.c). Each computes what its torch counterpart computes
+AVX512-BF16 or AVX-512 FMA; AVX2 and FMA without AVX-512), int8 weight-only and w8a8 matmuls,
+matmuls on GGUF blocks (matmul_gguf.c), and a decoder layer's work around attention chained
+into two calls, or a decode step's layers into one (blocks.c). Each computes what its torch counterpart computes
 (pagoda_kernels/reference.py for attention and the cache write, the modules of
 services/worker/models/llama.py and the sampler for the rest), which stands in for it where it
 cannot run: another device or dtype, no C compiler, or PAGODA_CPU_KERNELS=0. The panel matmul,

@@ -1,4 +1,4 @@
-/* The bf16 panel matmul (matmul_bf16.c) for CPUs with AVX2 and FMA but no AVX512-BF16: the
+/* The bf16 panel matmul (matmul_bf16.c) for CPUs with AVX2 and FMA but no AVX-512: the
  * same packed panels, so the same pack, the same callers and the C layer blocks (blocks.c) run
  * bf16 models on these CPUs too, with bf16 weights (half fp32's bytes) and bf16 activations.
  *

@@ -2,8 +2,7 @@
 that a matmul streams in memory order, for the layers and LM head of bf16 models
 (matmul_bf16.c: AMX tiles or AVX512-BF16 dot products; matmul_bf16_avx2.c: bf16 widened to
 fp32 for AVX2 FMA) and of fp32 models (matmul_f32.c: AVX-512 FMA; matmul_f32_avx2.c: AVX2
-FMA). A gate/up weight packed with `gate_up` returns
-SiLU(gate) * up instead."""
+FMA). A gate/up weight packed with `gate_up` returns SiLU(gate) * up instead."""
 from collections.abc import Callable
 
 import torch
@@ -33,7 +32,7 @@ def set_f32_matmul(on: bool) -> None:
 
 def bf16_matmul_available() -> bool:
     """Whether the bf16 panel matmul runs here: built for a CPU with AVX512-BF16 (its AMX loop
-    also needs AMX, granted by the OS), or else with AVX2 and FMA."""
+    also needs AMX, granted by the OS), or for a CPU with AVX2 and FMA but no AVX-512."""
     lib = load()
     return lib is not None and lib.matmul_bf16_path() > 0
 
@@ -52,7 +51,7 @@ def bf16_matmul_paths() -> list[str]:
     """The loops of the bf16 panel matmul this machine runs: "dot" (vdpbf16ps) wherever
     AVX512-BF16 runs it; where AMX is granted too, "amx" (K-blocked from 512 rows) and
     "amx-stream" (AMX's streaming loop at every batch size); "avx2" alone on CPUs with AVX2
-    and FMA but no AVX512-BF16."""
+    and FMA but no AVX-512."""
     lib = load()
     if lib is None or lib.matmul_bf16_path() == 0:
         return []
@@ -63,7 +62,7 @@ def bf16_matmul_paths() -> list[str]:
 
 def set_bf16_matmul_path(path: str) -> None:
     """Run the bf16 panel matmul on `path` ("amx", the default, which is the dot loop where AMX
-    does not run and the AVX2 loop where AVX512-BF16 does not; "dot"; "amx-stream"; or "avx2"
+    does not run and the AVX2 loop without AVX-512; "dot"; "amx-stream"; or "avx2"
     where that is the loop), for checking and comparing the loops on one machine; takes effect
     at the next call."""
     if path == "avx2" or "avx2" in bf16_matmul_paths():
