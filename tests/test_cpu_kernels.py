@@ -663,6 +663,21 @@ def test_fp32_layout_is_measured_once_and_kept(fp32_layout_set):
         linear_module.set_fp32_layout("mkl")
 
 
+def test_fp32_layout_candidates_take_turns_and_keep_their_fastest_time(monkeypatch):
+    """A drift of the machine's speed during the timing falls on every candidate alike: each
+    round runs every candidate once, and each keeps its fastest round."""
+    clock = iter(range(1000))
+    monkeypatch.setattr(linear_module.time, "perf_counter", lambda: float(next(clock)))
+    order = []
+    # each run advances the fake clock by its cost (beyond the one tick of the stop reading)
+    runs = {name: (lambda name=name, cost=cost: order.append(name) or
+                   [next(clock) for _ in range(cost)])
+            for name, cost in (("a", 3), ("b", 0), ("c", 1))}
+    times = linear_module.fastest_times(runs, rounds=3)
+    assert order == ["a", "b", "c"] + ["a", "b", "c"] * 3  # a first call each, then turns
+    assert times == {"a": 4.0, "b": 1.0, "c": 2.0}
+
+
 def test_faster_fp32_layout_prefers_panels_then_transposed_on_a_tie():
     faster = linear_module.faster_fp32_layout
     # oneDNN only where it is clearly faster; a tie keeps the huge-page [in, out] copy.

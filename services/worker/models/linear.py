@@ -34,6 +34,7 @@ Elsewhere (GPU, fp16) weights stay as loaded and F.linear runs. A packed weight'
 dropped (`drop_plain_weight`): only its shape and dtype remain.
 """
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -114,45 +115,58 @@ def faster_fp32_layout(seconds: dict[str, float]) -> str:
     return chosen
 
 
+def fastest_times(runs: dict[str, Callable[[], object]], rounds: int = 7) -> dict[str, float]:
+    """Each run's fastest time (s) of `rounds`, the runs taking turns within every round: this
+    CPU's speed drifts within seconds (the first calls after start-up most), and timing one
+    candidate after another let the drift pick the winner (4-row panels over 6-row ones, and
+    oneDNN over both, on a CPU where both came out the other way round a minute later)."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for run in runs.values():
+        run()  # first calls: thread pool, page faults
+    for _ in range(rounds):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return {name: min(t) for name, t in times.items()}
+
+
 def fp32_layout() -> str:
     """How fp32 layer weights are kept on this CPU: "panels" (pagoda_kernels/cpu/matmul_f32.c, where
     it runs), "transposed" ([in, out] for MKL's sgemm) or "onednn" (oneDNN's packed matmul).
-    Decided once per process by timing each on a decode-sized product (64 x 1024 x 1024, best of
-    5, ~0.1 s each): which one wins depends on the CPU (MKL's sgemm ran at half oneDNN's rate at
-    batch 64 on a Zen 4, and ahead of it on Xeons). The panels' block height (`f32_block_rows`) is
-    timed the same way first, and kept for this process."""
+    Decided once per process by timing each on a decode-sized product (64 x 1024 x 1024, the
+    fastest of 7 rounds in which the candidates take turns, ~0.1 s in all): which one wins
+    depends on the CPU (MKL's sgemm ran at half oneDNN's rate at batch 64 on a Zen 4, and ahead
+    of it on Xeons). The panels' block heights (`f32_block_rows`) are candidates of their own in
+    the same rounds; the fastest height is kept for this process."""
     global _fp32_layout
     if _fp32_layout is None:
-        def best_of(run) -> float:
-            run()
-            times = []
-            for _ in range(5):
-                start = time.perf_counter()
-                run()
-                times.append(time.perf_counter() - start)
-            return min(times)
-
         g = torch.Generator().manual_seed(0)
         x = torch.randn(64, 1024, generator=g)
         weight = torch.randn(1024, 1024, generator=g)
-        runs = {"transposed": partial(F.linear, x, weight.t().contiguous().t())}
+        runs: dict[str, Callable[[], object]] = {
+            "transposed": partial(F.linear, x, weight.t().contiguous().t())}
         panels = cpu_kernels.pack_f32_weight(weight)
         if panels is not None:
-            runs["panels"] = partial(cpu_kernels.f32_linear, x, panels, None, 1024)
-            rows = {}
-            for r in cpu_kernels.f32_block_rows():
-                cpu_kernels.set_f32_block_rows(r)
-                rows[r] = best_of(runs["panels"])
-            block_rows = min(rows, key=rows.get)
-            cpu_kernels.set_f32_block_rows(block_rows)
+            def panels_of(rows: int) -> object:
+                cpu_kernels.set_f32_block_rows(rows)
+                return cpu_kernels.f32_linear(x, panels, None, 1024)
+            for rows in cpu_kernels.f32_block_rows():
+                runs[f"panels/{rows}"] = partial(panels_of, rows)
         if _onednn(torch.float32):
             runs["onednn"] = partial(torch.ops.mkldnn._linear_pointwise, x,
                                      torch.ops.mkldnn._reorder_linear_weight(weight, 64), None,
                                      "none", [], "")
-        seconds = {name: best_of(run) for name, run in runs.items()}
+        seconds = fastest_times(runs)
+        block_rows = None
+        if panels is not None:
+            by_rows = {rows: seconds.pop(f"panels/{rows}")
+                       for rows in cpu_kernels.f32_block_rows()}
+            block_rows = min(by_rows, key=by_rows.get)
+            cpu_kernels.set_f32_block_rows(block_rows)
+            seconds["panels"] = by_rows[block_rows]
         _fp32_layout = faster_fp32_layout(seconds)
-        log.info("fp32 weight layout timed", layout=_fp32_layout,
-                 block_rows=block_rows if panels is not None else None,
+        log.info("fp32 weight layout timed", layout=_fp32_layout, block_rows=block_rows,
                  ms={name: round(t * 1e3, 3) for name, t in seconds.items()})
     return _fp32_layout
 
