@@ -1,7 +1,7 @@
 """The C prefill attention for whole prompts (pagoda_kernels/cpu/prefill_attention.c) against the torch
 reference (pagoda_kernels.reference.causal_prefill_attention), on every path this machine runs
-(portable, AVX-512, AVX512-BF16 and AMX for bf16), and the CPU attention backend that calls it
-against the torch backend."""
+(portable, AVX-512 or AVX2, AVX512-BF16 and AMX for bf16), and the CPU attention backend that
+calls it against the torch backend."""
 import itertools
 
 import pytest
@@ -83,17 +83,18 @@ def test_a_long_prompt_beside_short_ones_over_many_key_blocks(path_dtype):
     torch.testing.assert_close(out.float(), exact, **TOLERANCE[dtype])
 
 
-def test_the_avx512_path_runs_where_the_cpu_has_it():
-    if "avx512" not in PATHS:
-        pytest.skip("this CPU (or the kernels' build) lacks AVX-512: only the portable path "
-                    "runs here")
+def test_the_vector_path_runs_where_the_cpu_has_one():
+    vector = [p for p in ("avx512", "avx2") if p in PATHS]
+    if not vector:
+        pytest.skip("this CPU (or the kernels' build) has neither AVX-512 nor AVX2 with FMA: "
+                    "only the portable path runs here")
     q, k, v, starts = packed([50, 7], 9, 3, 64, torch.float32)
     results = {}
-    for p in ("portable", "avx512"):
+    for p in ("portable", vector[0]):
         cpu_kernels.set_prefill_path(p)
         results[p] = cpu_kernels.causal_prefill_attention(q, k, v, starts, 50, 0.125)
     cpu_kernels.set_prefill_path("amx")
-    torch.testing.assert_close(results["avx512"], results["portable"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(results[vector[0]], results["portable"], atol=1e-5, rtol=1e-5)
 
 
 def test_the_avx512_bf16_path_runs_where_the_cpu_has_it_and_is_the_default_there():
@@ -180,3 +181,26 @@ def test_the_backend_equals_the_torch_backend_on_a_mixed_step(dtype):
     torch.testing.assert_close(CpuAttentionBackend().forward(q, k, v, None, None, meta, 0.125),
                                TorchAttentionBackend().forward(q, k, v, None, None, meta, 0.125),
                                **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("simd", ["avx2", ""], ids=["vector loop", "no vector loop"])
+def test_the_backend_runs_the_kernel_only_where_it_has_a_vector_loop(monkeypatch, simd):
+    """Without a vector loop the backend leaves whole prompts to torch (the portable loop is
+    slower than SDPA); with one, every whole prompt of the step goes to the kernel in one call.
+    Which loop this build has is stood in for: the check is the backend's choice."""
+    from services.worker.attention import cpu_backend
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return cpu_kernels.causal_prefill_attention(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_backend, "prefill_simd_path", lambda: simd)
+    monkeypatch.setattr(cpu_backend, "causal_prefill_attention", counted)
+    lengths = [12, 1, 40]
+    q, k, v, _ = packed(lengths, 9, 3, 64, torch.float32, seed=4)
+    meta = profile_metadata(lengths)
+    out = CpuAttentionBackend().forward(q, k, v, None, None, meta, 0.125)
+    assert len(calls) == (1 if simd else 0)
+    expected = TorchAttentionBackend().forward(q, k, v, None, None, meta, 0.125)
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])

@@ -3,12 +3,14 @@ kernel (pagoda_kernels/cpu/prefill_attention.c), against the torch backend (SDPA
 pagoda_kernels.reference.causal_prefill_attention), alternately in one process.
 
     .venv/bin/python -m ops.bench.prefill_attention [--threads 2] [--dtype bfloat16]
-        [--clock wall|thread]
+        [--clock wall|thread] [--paths portable avx2]
 
 Shapes default to SmolLM2-135M's attention (9 query heads, 3 KV heads, head_dim 64); each
 workload is one layer of a prefill step (no cache: whole prompts only): `BATCHxLENGTH` prompts
 of one length, or `BATCHxLO-HI` prompts of random lengths in [LO, HI] (seeded), where the torch
-backend pads or splits. Times are best of `--repeats`, scaled to `--layers` layers.
+backend pads or splits. Times are best of `--repeats`, scaled to `--layers` layers. With
+`--paths`, the kernel is timed on each of those paths (`pagoda_kernels.cpu.prefill_paths()`)
+instead of the fastest one alone.
 """
 import argparse
 import itertools
@@ -36,6 +38,8 @@ def main() -> None:
                         help="thread: CPU time of the calling thread, which a busy machine "
                              "inflates less than wall time (with --threads 1 it is all the "
                              "work)")
+    parser.add_argument("--paths", nargs="+", default=None,
+                        help="time the kernel on each of these paths (default: the fastest)")
     args = parser.parse_args()
 
     from pagoda_kernels import cpu
@@ -69,19 +73,29 @@ def main() -> None:
             max_query_len=max(lengths), max_seq_len=max(lengths), block_size=16,
             seq_lens_list=lengths, query_lens_list=lengths)
         scale = args.head_dim ** -0.5
-        ops = {"kernel": CpuAttentionBackend(), "torch": TorchAttentionBackend()}
-        times = {name: float("inf") for name in ops}
-        for _ in range(2):  # alternate, so that a busy moment does not favour one side
-            for name, op in ops.items():
-                times[name] = min(times[name], 1e3 * best_seconds(
-                    lambda op=op: op.forward(q, k, v, None, None, meta, scale), args.repeats,
-                    clock))
-        kernel, torch_ms = times["kernel"], times["torch"]
-        print(f"{dtype_name:9s} {workload:>9s}: kernel {kernel:7.1f} ms "
-              f"({kernel * args.layers / 1e3:5.2f} s), torch {torch_ms:7.1f} ms "
-              f"({torch_ms * args.layers / 1e3:5.2f} s), torch / kernel "
-              f"{torch_ms / kernel:4.2f}")
+        backend, torch_backend = CpuAttentionBackend(), TorchAttentionBackend()
 
+        def kernel_on(path: str) -> torch.Tensor:
+            cpu.set_prefill_path(path)
+            return backend.forward(q, k, v, None, None, meta, scale)
+
+        ops = {f"kernel/{p}": (lambda p=p: kernel_on(p)) for p in args.paths or ["amx"]}
+        ops["torch"] = lambda: torch_backend.forward(q, k, v, None, None, meta, scale)
+        times = {name: float("inf") for name in ops}
+        try:
+            for _ in range(2):  # alternate, so that a busy moment does not favour one side
+                for name, op in ops.items():
+                    times[name] = min(times[name],
+                                      1e3 * best_seconds(op, args.repeats, clock))
+        finally:
+            cpu.set_prefill_path("amx")  # the default: the fastest path there is
+        torch_ms = times.pop("torch")
+        kernels = ", ".join(
+            f"{name.removeprefix('kernel/') if args.paths else 'kernel'} {ms:7.1f} ms "
+            f"({ms * args.layers / 1e3:5.2f} s, torch / it {torch_ms / ms:4.2f})"
+            for name, ms in times.items())
+        print(f"{dtype_name:9s} {workload:>9s}: {kernels}; torch {torch_ms:7.1f} ms "
+              f"({torch_ms * args.layers / 1e3:5.2f} s)")
 
 if __name__ == "__main__":
     main()

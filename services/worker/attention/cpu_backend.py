@@ -3,14 +3,15 @@ reads each sequence's K/V blocks in place instead of gathering them into a copy,
 is one C call, and whole prompts (nothing cached before them) run causal prefill attention on
 the step's own K/V, all of a run's sequences in one call with no padding. Prompt chunks after a
 cached prefix keep the torch op, which gathers the cache; so does everything the prefill kernel
-does not run (head_dim other than 64 and 128)."""
+does not run (head_dim other than 64 and 128), and every prompt where the kernels have no vector
+loop for it (their portable loop is slower than torch's SDPA)."""
 import itertools
 
 import torch
 
 from pagoda_kernels import reference
 from pagoda_kernels.cpu import (causal_prefill_attention, causal_prefill_supports,
-                         paged_decode_attention, write_kv_cache)
+                                paged_decode_attention, prefill_simd_path, write_kv_cache)
 from services.worker.attention.base import AttentionMetadata
 from services.worker.attention.torch_backend import TorchAttentionBackend, prefill_calls
 
@@ -31,7 +32,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def _prefills(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   k_cache: torch.Tensor | None, v_cache: torch.Tensor | None,
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if not causal_prefill_supports(q.dtype, q.device, q.shape[1], k.shape[1], q.shape[2]):
+        if not (prefill_simd_path() and causal_prefill_supports(q.dtype, q.device, q.shape[1],
+                                                                k.shape[1], q.shape[2])):
             return super()._prefills(q, k, v, k_cache, v_cache, meta, scale)
         n = meta.num_prefills
         query_lens = meta.query_lens_list[:n]
