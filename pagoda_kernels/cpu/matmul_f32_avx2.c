@@ -32,8 +32,15 @@
 #ifndef F32_FETCH_NEXT
 #define F32_FETCH_NEXT 1 /* 0: no fetch of the next panel (a -D knob for measuring) */
 #endif
+#ifndef F32_FETCH_BLOCKS
+/* How many of a chunk's first blocks share the fetch of the next panel (0: all of them). A
+ * -D knob: on a 2-core Zen 3, 1, 4 and all ran a decode step's layer products alike within
+ * that machine's noise (71-73 GFLOP/s, medians of 7 alternated rounds). */
+#define F32_FETCH_BLOCKS 1
+#endif
 
-/* One K step `s` of a block: the half's two vectors at row s against R broadcast x values. */
+/* One K step `s` of a block: the half's two vectors at row s against R broadcast x values;
+ * with FETCH, also line s of `fetch` into L2. */
 #define HALF_STEP(R, FETCH)                                                                        \
     do {                                                                                           \
         if (FETCH) __builtin_prefetch(fetch + s * PANEL, 0, 2);                                    \
@@ -44,16 +51,18 @@
 
 /* R rows x one half. `bias` points at the half's 16 biases (or NULL). `epilogue`: 0 stores
  * x W^T + b, 1 stores SiLU of it (a gate half), 2 multiplies it into what y holds (an up
- * half). With FETCH (a constant, so that no branch sits among the FMAs: one there left the
- * accumulators in memory, half the rate), `fetch`, the same half of another panel, is fetched
- * into L2 a line per K step. */
-#define DEFINE_BLOCK(NAME, R, FETCH)                                                               \
+ * half). The first `fetch_steps` K steps also fetch a line each of `fetch` (this block's share
+ * of another panel) into L2: a loop of their own, so that no branch sits among the FMAs (one
+ * there left the accumulators in memory, half the rate). */
+#define DEFINE_BLOCK(NAME, R)                                                                      \
 static void NAME(const float *x, int64_t x_stride, const float *half, int64_t k,                 \
-                      const float *bias, int epilogue, float *y, int64_t y_cols,                  \
-                      const float *fetch) {                                                       \
+                 const float *bias, int epilogue, float *y, int64_t y_cols, const float *fetch,   \
+                 int64_t fetch_steps) {                                                           \
     __m256 acc0[R], acc1[R];                                                                       \
     for (int i = 0; i < R; i++) acc0[i] = acc1[i] = _mm256_setzero_ps();                           \
-    for (int64_t s = 0; s < k; s++) HALF_STEP(R, FETCH);                                           \
+    int64_t s = 0;                                                                                 \
+    for (; s < fetch_steps; s++) HALF_STEP(R, 1);                                                  \
+    for (; s < k; s++) HALF_STEP(R, 0);                                                            \
     float v[R][HALF];                                                                              \
     _Pragma("GCC unroll 8")                                                                        \
     for (int i = 0; i < R; i++) {                                                                  \
@@ -71,17 +80,13 @@ static void NAME(const float *x, int64_t x_stride, const float *half, int64_t k,
     }                                                                                              \
 }
 
-DEFINE_BLOCK(block_1, 1, 0) DEFINE_BLOCK(block_2, 2, 0) DEFINE_BLOCK(block_3, 3, 0)
-DEFINE_BLOCK(block_4, 4, 0) DEFINE_BLOCK(block_5, 5, 0) DEFINE_BLOCK(block_6, 6, 0)
-DEFINE_BLOCK(fetching_1, 1, 1) DEFINE_BLOCK(fetching_2, 2, 1) DEFINE_BLOCK(fetching_3, 3, 1)
-DEFINE_BLOCK(fetching_4, 4, 1) DEFINE_BLOCK(fetching_5, 5, 1) DEFINE_BLOCK(fetching_6, 6, 1)
+DEFINE_BLOCK(block_1, 1) DEFINE_BLOCK(block_2, 2) DEFINE_BLOCK(block_3, 3)
+DEFINE_BLOCK(block_4, 4) DEFINE_BLOCK(block_5, 5) DEFINE_BLOCK(block_6, 6)
 
 typedef void (*block_fn)(const float *, int64_t, const float *, int64_t, const float *, int,
-                         float *, int64_t, const float *);
+                         float *, int64_t, const float *, int64_t);
 static const block_fn blocks[MAX_ROWS + 1] = {NULL, block_1, block_2, block_3, block_4, block_5,
                                               block_6};
-static const block_fn fetching_blocks[MAX_ROWS + 1] = {NULL, fetching_1, fetching_2, fetching_3,
-                                                       fetching_4, fetching_5, fetching_6};
 
 static int block_rows = MAX_ROWS;  /* rows per block: 4 or 6 */
 
@@ -126,12 +131,17 @@ int matmul_f32(const float *x, int64_t x_stride, int64_t m, const float *packed,
                 const int epilogue = gate_up ? 1 + h : 0;
                 /* (the next panel may be another thread's at the end of this one's share) */
                 const float *next = F32_FETCH_NEXT && p + 1 < panels ? half + k * PANEL : NULL;
-                for (int64_t r0 = chunk; r0 < chunk_end; r0 += R) {
+                const int64_t chunk_blocks = (chunk_end - chunk + R - 1) / R;
+                const int64_t fetchers = F32_FETCH_BLOCKS && F32_FETCH_BLOCKS < chunk_blocks
+                                             ? F32_FETCH_BLOCKS : chunk_blocks;
+                const int64_t share = (k + fetchers - 1) / fetchers;  /* lines a block fetches */
+                for (int64_t r0 = chunk, b = 0; r0 < chunk_end; r0 += R, b++) {
                     const int rows = (int)(chunk_end - r0 < R ? chunk_end - r0 : R);
-                    const block_fn block = r0 == chunk && next ? fetching_blocks[rows]
-                                                               : blocks[rows];
-                    block(x + r0 * x_stride, x_stride, half, k, bias ? bias + bias_col : NULL,
-                          epilogue, y + r0 * y_cols + col, y_cols, next);
+                    const int64_t from = b * share < k ? b * share : k;
+                    const int64_t steps = next && from + share < k ? share : next ? k - from : 0;
+                    blocks[rows](x + r0 * x_stride, x_stride, half, k,
+                                 bias ? bias + bias_col : NULL, epilogue, y + r0 * y_cols + col,
+                                 y_cols, next ? next + from * PANEL : NULL, steps);
                 }
             }
     }
