@@ -15,7 +15,8 @@ from tests.test_sampler import row
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.race_sample_available(torch.empty(1, 1)),
-    reason="the sampler's C random draws need a CPU with AVX-512 (and the C kernels built)")
+    reason="the sampler's C random draws need a CPU with AVX-512 or AVX2 and FMA (and the C "
+           "kernels built)")
 
 
 def keys_for(rows: int, seed: int) -> torch.Tensor:

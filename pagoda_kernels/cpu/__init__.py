@@ -354,7 +354,8 @@ def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def race_sample_available(x: torch.Tensor) -> bool:
     """Whether `race_sample` and `random_sample` run on this tensor: CPU, float32 or bfloat16,
-    kernels built with AVX-512 F/BW/VL (elsewhere the sampler keeps its torch ops)."""
+    kernels built with AVX-512 F/BW/VL or with AVX2 and FMA (elsewhere the sampler keeps its torch
+    ops)."""
     if not available_for(x):
         return False
     lib = load()
@@ -385,7 +386,7 @@ def race_sample(x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     rc = _function("race_sample", x.dtype)(x.data_ptr(), x.stride(0), rows, vocab,
                                           keys.data_ptr(), tokens.data_ptr())
     if rc != 0:
-        raise RuntimeError("race_sample does not run here (no AVX-512 BW/VL)")
+        raise RuntimeError("race_sample does not run here (neither AVX-512 BW/VL nor AVX2)")
     return tokens
 
 
@@ -407,5 +408,5 @@ def random_sample(logits: torch.Tensor, temperature: torch.Tensor, is_greedy: to
         logits.data_ptr(), logits.stride(0), rows, vocab, temperature.data_ptr(),
         greedy.data_ptr(), keys.data_ptr(), tokens.data_ptr(), logprobs.data_ptr())
     if rc != 0:
-        raise RuntimeError("random_sample does not run here (no AVX-512 BW/VL)")
+        raise RuntimeError("random_sample does not run here (neither AVX-512 BW/VL nor AVX2)")
     return tokens, logprobs

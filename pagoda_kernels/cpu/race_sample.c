@@ -1,16 +1,17 @@
-/* Random draws for the sampler on CPUs with AVX-512 (F, BW, VL): the exponential race of
- * services/worker/sampler.py (`exponential_race`) with no [rows, vocab] temporaries, and the
- * sampler's temperature-only path built on it. The torch race builds its noise in ~15 full
- * passes over [rows, vocab] int64 and float tensors; at 64 rows of a 49k vocabulary the whole
- * torch draw (float copy, logsumexp, temperature, noise, race) took ~39 ms of a ~120 ms decode
- * step.
+/* Random draws for the sampler on CPUs with AVX-512 (F, BW, VL), or with AVX2 and FMA: the
+ * exponential race of services/worker/sampler.py (`exponential_race`) with no [rows, vocab]
+ * temporaries, and the sampler's temperature-only path built on it. The torch race builds its
+ * noise in ~15 full passes over [rows, vocab] int64 and float tensors; at 64 rows of a 49k
+ * vocabulary the whole torch draw (float copy, logsumexp, temperature, noise, race) took ~39 ms
+ * of a ~120 ms decode step.
  *
  * Per row: token = the first argmax_i of x_i - log(E_i), E_i = -log1p(-u_i), with u_i the row's
  * uniform noise for vocab id i computed as `uniform_noise` computes it (a 32-bit hash of the
  * row's key and i, to (0, 1) in float32), in one pass: the torch race's draw up to the last bit
  * of the two logarithms. Unlike torch's argmax, a NaN key is never drawn (torch would draw the
- * first NaN; only a broken model gives NaN logits). Without AVX-512 BW/VL the functions return
- * -2 and the sampler keeps torch's ops.
+ * first NaN; only a broken model gives NaN logits). The AVX2 loop takes the same steps on 8
+ * lanes (the unsigned conversion, getmant and getexp that AVX2 lacks built from integer ops,
+ * exactly). With neither, the functions return -2 and the sampler keeps torch's ops.
  */
 #include <math.h>
 #include <stdint.h>
@@ -114,6 +115,121 @@ static int64_t NAME(const T *x, int64_t vocab, float scale, uint32_t key) {     
 DEFINE_RACE_ROW(race_row_f32, float, load16)
 DEFINE_RACE_ROW(race_row_bf16, uint16_t, load16_bf16_masked)
 
+#define RACE_SIMD 1
+
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+#include "avx2.h"
+
+/* sampler.mix32 on 8 lanes of 32-bit values. */
+static inline __m256i mix32_8(__m256i x) {
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x2C1B3C6D));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 12));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x297A2D39));
+    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+}
+
+/* Unsigned 32-bit lanes to float, rounded once as _mm512_cvtepu32_ps rounds: the high half
+ * times 2^16 and the low half are exact in float, so their sum is the one rounding. */
+static inline __m256 u32_to_float8(__m256i b) {
+    const __m256 hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 16)),
+                                    _mm256_set1_ps(65536.0f));
+    return _mm256_add_ps(hi, _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(0xffff))));
+}
+
+/* log16 (the AVX-512 loop's) on 8 lanes, for positive normal floats: the mantissa in [1, 2)
+ * and the exponent taken from the bits, as getmant and getexp give them there. */
+static inline __m256 log8(__m256 v) {
+    const __m256i bits = _mm256_castps_si256(v);
+    __m256 m = _mm256_castsi256_ps(_mm256_or_si256(
+        _mm256_and_si256(bits, _mm256_set1_epi32(0x007fffff)), _mm256_set1_epi32(0x3f800000)));
+    __m256 e = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(bits, 23),
+                                                   _mm256_set1_epi32(127)));
+    const __m256 high = _mm256_cmp_ps(m, _mm256_set1_ps(1.41421356f), _CMP_GT_OQ);
+    m = _mm256_blendv_ps(m, _mm256_mul_ps(m, _mm256_set1_ps(0.5f)), high);
+    e = _mm256_blendv_ps(e, _mm256_add_ps(e, _mm256_set1_ps(1.0f)), high);
+    const __m256 f = _mm256_sub_ps(m, _mm256_set1_ps(1.0f));
+    const __m256 s = _mm256_div_ps(f, _mm256_add_ps(f, _mm256_set1_ps(2.0f)));
+    const __m256 z = _mm256_mul_ps(s, s), w = _mm256_mul_ps(z, z);
+    __m256 t1 = _mm256_fmadd_ps(w, _mm256_set1_ps(1.5313838422e-01f), _mm256_set1_ps(2.2222198546e-01f));
+    t1 = _mm256_mul_ps(w, _mm256_fmadd_ps(w, t1, _mm256_set1_ps(4.0000000596e-01f)));
+    __m256 t2 = _mm256_fmadd_ps(w, _mm256_set1_ps(1.4798198640e-01f), _mm256_set1_ps(1.8183572590e-01f));
+    t2 = _mm256_fmadd_ps(w, t2, _mm256_set1_ps(2.8571429849e-01f));
+    t2 = _mm256_mul_ps(z, _mm256_fmadd_ps(w, t2, _mm256_set1_ps(6.6666668653e-01f)));
+    const __m256 r = _mm256_add_ps(t1, t2);
+    const __m256 hfsq = _mm256_mul_ps(_mm256_set1_ps(0.5f), _mm256_mul_ps(f, f));
+    const __m256 inner = _mm256_fmadd_ps(s, _mm256_add_ps(hfsq, r),
+                                         _mm256_mul_ps(e, _mm256_set1_ps(9.0580006145e-06f)));
+    return _mm256_fmsub_ps(e, _mm256_set1_ps(6.9313812256e-01f),
+                           _mm256_sub_ps(_mm256_sub_ps(hfsq, inner), f));
+}
+
+/* neg_log_noise16 on 8 lanes. */
+static inline __m256 neg_log_noise8(__m256i key, __m256i vocab_hash) {
+    const __m256i bits = mix32_8(_mm256_xor_si256(key, vocab_hash));
+    __m256 u = _mm256_mul_ps(_mm256_add_ps(u32_to_float8(bits), _mm256_set1_ps(0.5f)),
+                             _mm256_set1_ps(2.3283064365386963e-10f)); /* 2^-32 */
+    u = _mm256_min_ps(u, _mm256_set1_ps(0.99999994f)); /* the largest float below 1 */
+    const __m256 w = _mm256_sub_ps(_mm256_set1_ps(1.0f), u);
+    const __m256 d = _mm256_sub_ps(w, _mm256_set1_ps(1.0f));
+    const __m256 exact = _mm256_cmp_ps(d, _mm256_setzero_ps(), _CMP_EQ_OQ);
+    const __m256 ratio = _mm256_blendv_ps(   /* log1p(-u) / -u */
+        _mm256_div_ps(log8(w), _mm256_blendv_ps(d, _mm256_set1_ps(-1.0f), exact)),
+        _mm256_set1_ps(1.0f), exact);
+    return _mm256_sub_ps(_mm256_setzero_ps(), log8(_mm256_mul_ps(u, ratio)));
+}
+
+static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
+
+/* The first index of the largest of x_i / scale - log(E_i) over a row (-inf never wins). The
+ * last, partial vector is read from a copy padded with -inf (`PAD`). */
+#define DEFINE_RACE_ROW(NAME, T, LOAD, PAD)                                                     \
+static int64_t NAME(const T *x, int64_t vocab, float scale, uint32_t key) {                    \
+    const __m256i key8 = _mm256_set1_epi32((int32_t)key);                                       \
+    const __m256 scale8 = _mm256_set1_ps(scale);                                                \
+    __m256i id = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);                                     \
+    __m256 best = _mm256_set1_ps(-INFINITY);                                                    \
+    __m256i best_id = _mm256_set1_epi32(INT32_MAX);                                             \
+    T tail[8];                                                                                  \
+    for (int64_t i = 0; i < vocab; i += 8) {                                                    \
+        const T *at = x + i;                                                                    \
+        if (vocab - i < 8) {                                                                    \
+            for (int j = 0; j < 8; j++) tail[j] = j < vocab - i ? at[j] : PAD;                  \
+            at = tail;                                                                          \
+        }                                                                                       \
+        const __m256i vocab_hash = mix32_8(_mm256_xor_si256(id, _mm256_set1_epi32(             \
+            (int32_t)0x85EBCA6Bu)));                                                            \
+        /* x / scale exactly as torch divides (scale 1 leaves x as it is) */                    \
+        const __m256 k = _mm256_add_ps(_mm256_div_ps(LOAD(at), scale8),                         \
+                                       neg_log_noise8(key8, vocab_hash));                       \
+        /* strictly greater: each lane keeps its first index of its largest key */              \
+        const __m256 up = _mm256_cmp_ps(k, best, _CMP_GT_OQ);                                   \
+        best = _mm256_blendv_ps(best, k, up);                                                   \
+        best_id = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(best_id),            \
+                                                       _mm256_castsi256_ps(id), up));           \
+        id = _mm256_add_epi32(id, _mm256_set1_epi32(8));                                        \
+    }                                                                                           \
+    float lanes[8];                                                                             \
+    int32_t ids[8];                                                                             \
+    _mm256_storeu_ps(lanes, best);                                                              \
+    _mm256_storeu_si256((__m256i *)ids, best_id);                                               \
+    float top = -INFINITY;                                                                      \
+    for (int j = 0; j < 8; j++) top = lanes[j] > top ? lanes[j] : top;                          \
+    int32_t first = INT32_MAX;                                                                  \
+    for (int j = 0; j < 8; j++)                                                                 \
+        if (lanes[j] == top && ids[j] < first) first = ids[j];                                  \
+    return first < vocab ? first : 0; /* every key -inf or NaN: token 0 */                      \
+}
+
+DEFINE_RACE_ROW(race_row_f32, float, load8_f32, -INFINITY)
+DEFINE_RACE_ROW(race_row_bf16, uint16_t, load8_bf16, (uint16_t)0xFF80) /* bf16 -inf */
+
+#define RACE_SIMD 1
+#endif
+
+#if defined(RACE_SIMD)
 /* tokens [rows] = the race over x [rows, vocab] (rows `stride` apart; scaled and filtered
  * logits), row r with the 32-bit key keys[r] (`noise_keys`). Returns 0. */
 #define DEFINE_RACE(NAME, ROW, T)                                                               \
@@ -153,7 +269,7 @@ DEFINE_SAMPLE(random_sample_bf16, race_row_bf16, uint16_t, row_stats_bf16, bf16_
 
 int race_sample_available(void) { return 1; }
 
-#else /* no AVX-512 BW/VL (the masked bf16 loads): the sampler keeps its torch ops */
+#else /* neither AVX-512 BW/VL nor AVX2 with FMA: the sampler keeps its torch ops */
 
 int race_sample_available(void) { return 0; }
 
