@@ -669,13 +669,15 @@ def test_fp32_layout_candidates_take_turns_and_keep_their_fastest_time(monkeypat
     clock = iter(range(1000))
     monkeypatch.setattr(linear_module.time, "perf_counter", lambda: float(next(clock)))
     order = []
-    # each run advances the fake clock by its cost (beyond the one tick of the stop reading)
-    runs = {name: (lambda name=name, cost=cost: order.append(name) or
-                   [next(clock) for _ in range(cost)])
-            for name, cost in (("a", 3), ("b", 0), ("c", 1))}
+    # Each call advances the fake clock by its cost in that call (one more tick is the stop
+    # reading): the first call untimed, then three rounds, the fastest in a different one each.
+    costs = {"a": iter([9, 3, 1, 4]), "b": iter([9, 0, 2, 5]), "c": iter([9, 2, 6, 1])}
+    runs = {name: (lambda name=name: order.append(name) or
+                   [next(clock) for _ in range(next(costs[name]))])
+            for name in costs}
     times = linear_module.fastest_times(runs, rounds=3)
     assert order == ["a", "b", "c"] + ["a", "b", "c"] * 3  # a first call each, then turns
-    assert times == {"a": 4.0, "b": 1.0, "c": 2.0}
+    assert times == {"a": 2.0, "b": 1.0, "c": 2.0}
 
 
 def test_faster_fp32_layout_prefers_panels_then_transposed_on_a_tie():

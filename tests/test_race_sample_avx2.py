@@ -1,9 +1,10 @@
-"""The sampler's random draws and greedy statistics on AVX2 (pagoda_kernels/cpu/race_sample.c's
-AVX2 loop, sampling_row.h's) on any CPU with AVX2 and FMA: the kernels built a second time without AVX-512 (`build.load_variant`), so a
-CPU with AVX-512, whose default build runs the AVX-512 loop, checks it too. (Without AVX-512,
-tests/test_race_sample.py runs this loop as well.) The draws must be the torch race's, token for
-token: the loop rebuilds the conversions AVX2 lacks from integer ops, and a rounding off by one
-bit would move some draws."""
+"""The sampler's random draws and greedy statistics on AVX2 (race_sample.c's AVX2 loop,
+sampling_row.h's) on any CPU with AVX2 and FMA: the kernels built a second time without AVX-512
+(`build.load_variant`), so a CPU with AVX-512, whose default build runs the AVX-512 loop, checks
+it too. (Without AVX-512, tests/test_race_sample.py runs this loop as well.) The draws must be
+the torch race's, token for token: the loop rebuilds the conversions AVX2 lacks from integer
+ops, and an error there beyond the last bit would move draws (one in the last bit would show
+only at a near-tie of two keys)."""
 import pytest
 import torch
 
@@ -64,25 +65,27 @@ def test_avx2_race_ties_and_rows_with_nothing_to_draw(avx2):
     assert _race(avx2, x, keys_for(3, 3)).tolist() == [5, 0, 20]
 
 
-def test_avx2_random_sample_mixes_greedy_rows_and_draws(avx2):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_avx2_random_sample_mixes_greedy_rows_and_draws(avx2, dtype):
     """The temperature-only path: greedy rows take the first argmax, the others the race over
     logits / temperature, and every row's logprob is under the raw logits."""
     g = torch.Generator().manual_seed(5)
     rows, vocab = 6, 3001
-    logits = torch.randn(rows, vocab, generator=g) * 3
+    logits = (torch.randn(rows, vocab, generator=g) * 3).to(dtype)
     temperature = torch.tensor([1.0, 0.7, 1.0, 1.3, 1.0, 0.5])
     greedy = torch.tensor([1, 0, 0, 1, 0, 0], dtype=torch.uint8)
     keys = keys_for(rows, 9)
     keys32 = keys.to(torch.int32)  # the low 32 bits, as the C side reads them
     tokens = torch.empty(rows, dtype=torch.int64)
     logprobs = torch.empty(rows)
-    assert avx2.random_sample_f32(logits.data_ptr(), logits.stride(0), rows, vocab,
-                                  temperature.data_ptr(), greedy.data_ptr(), keys32.data_ptr(),
-                                  tokens.data_ptr(), logprobs.data_ptr()) == 0
-    drawn = exponential_race_torch(logits / temperature[:, None], keys)
-    expected = torch.where(greedy.bool(), logits.argmax(dim=1), drawn)
+    fn = avx2.random_sample_f32 if dtype == torch.float32 else avx2.random_sample_bf16
+    assert fn(logits.data_ptr(), logits.stride(0), rows, vocab, temperature.data_ptr(),
+              greedy.data_ptr(), keys32.data_ptr(), tokens.data_ptr(), logprobs.data_ptr()) == 0
+    x = logits.float()
+    drawn = exponential_race_torch(x / temperature[:, None], keys)
+    expected = torch.where(greedy.bool(), x.argmax(dim=1), drawn)
     assert tokens.tolist() == expected.tolist()
-    raw = torch.log_softmax(logits, dim=1).gather(1, expected[:, None])[:, 0]
+    raw = torch.log_softmax(x, dim=1).gather(1, expected[:, None])[:, 0]
     assert (logprobs - raw).abs().max() < 5e-5
 
 

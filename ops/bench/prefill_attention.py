@@ -47,6 +47,12 @@ def main() -> None:
     from services.worker.attention.cpu_backend import CpuAttentionBackend
     from services.worker.attention.torch_backend import TorchAttentionBackend
 
+    unknown = set(args.paths or []) - set(cpu.prefill_paths())
+    if unknown:
+        parser.error(f"--paths: {sorted(unknown)} do not run here; this build runs "
+                     f"{cpu.prefill_paths()}")
+    if args.paths and not cpu.prefill_simd_path():
+        parser.error("--paths: without a vector loop the backend leaves prompts to torch")
     torch.set_num_threads(args.threads)
     clock = time.perf_counter if args.clock == "wall" else time.thread_time
     print(f"threads {args.threads}, heads {args.heads}/{args.kv_heads}, head_dim "
@@ -96,6 +102,7 @@ def main() -> None:
             for name, ms in times.items())
         print(f"{dtype_name:9s} {workload:>9s}: {kernels}; torch {torch_ms:7.1f} ms "
               f"({torch_ms * args.layers / 1e3:5.2f} s)")
+
 
 if __name__ == "__main__":
     main()

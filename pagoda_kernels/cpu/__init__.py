@@ -221,8 +221,8 @@ def prefill_paths() -> list[str]:
 
 def prefill_simd_path() -> str:
     """"avx512", "avx2" or "" (none): the prefill attention vector loop this build has. Where
-    there is none the CPU backend leaves prompts to torch's SDPA, which ran 7-14x faster than the
-    portable loop (an AMD Zen 3, fp32 and bf16, prompts of 128 to 1,024 tokens)."""
+    there is none the CPU backend leaves prompts to torch's SDPA, which ran 4.5-14x faster than
+    the portable loop (an AMD Zen 3, fp32 and bf16, prompts of 16 to 1,024 tokens)."""
     lib = load()
     return "" if lib is None else ["", "avx2", "avx512"][lib.prefill_simd_available()]
 

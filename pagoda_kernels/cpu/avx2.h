@@ -1,5 +1,6 @@
-/* 8-lane float helpers for the AVX2 loops (matmul_bf16_avx2.c, paged_attention_avx2.c): bf16
- * loads, rounding and stores, and exp_approx (common.h) on a vector. */
+/* 8-lane float helpers for the AVX2 loops (matmul_bf16_avx2.c, paged_attention_avx2.c,
+ * prefill_attention_avx2.c, race_sample.c, sampling_row.h): loads, bf16 rounding and stores,
+ * horizontal max and sum, and exp_approx (common.h) on a vector. */
 #ifndef PAGODA_CPU_AVX2_H
 #define PAGODA_CPU_AVX2_H
 
@@ -25,6 +26,20 @@ static inline void store8_bf16(uint16_t *out, __m256 rounded) {
     const __m256i hi = _mm256_srli_epi32(_mm256_castps_si256(rounded), 16);
     _mm_storeu_si128((__m128i *)out, _mm_packus_epi32(_mm256_castsi256_si128(hi),
                                                       _mm256_extracti128_si256(hi, 1)));
+}
+
+static inline __m256 load8_f32(const float *in) { return _mm256_loadu_ps(in); }
+
+static inline float max8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+static inline float sum8(__m256 v) {
+    __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
 }
 
 static inline __m256 load8_bf16(const uint16_t *in) {

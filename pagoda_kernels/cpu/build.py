@@ -25,7 +25,7 @@ SOURCES = ("paged_attention.c", "paged_attention_avx512.c", "paged_attention_avx
            "matmul_f32_avx2.c", "blocks.c", "kv_cache.c", "prefill_attention.c",
            "prefill_attention_avx2.c", "matmul_gguf.c", "matmul_int8.c", "race_sample.c")
 HEADERS = ("amx.h", "avx2.h", "avx2_rows.h", "common.h", "paged_attention.h", "avx512.h",
-           "layer_kernels.h", "kv_quant.h", "sampling_row.h")
+           "layer_kernels.h", "kv_quant.h", "sampling_row.h", "prefill_attention.h")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
 
 _lock = threading.Lock()

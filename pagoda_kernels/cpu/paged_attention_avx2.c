@@ -67,18 +67,6 @@ static inline __m256 sum_lanes8(const __m256 *v) {
                          _mm256_permute2f128_ps(lo, hi, 0x31));
 }
 
-static inline float max8(__m256 v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
-static inline float sum8(__m256 v) {
-    __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-    return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
-}
-
 /* `bytes` of the row at `row` into L2 (FETCH_LOCALITY). */
 static inline __attribute__((always_inline)) void fetch_l2(const void *row, int bytes) {
     for (int c = 0; c < bytes; c += 64) __builtin_prefetch((const char *)row + c, 0, FETCH_LOCALITY);

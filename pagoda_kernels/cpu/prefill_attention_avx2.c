@@ -42,20 +42,6 @@ static inline void visible_lanes(int64_t b, int64_t start, int64_t q, __m256 *lo
                                                _mm256_cmpgt_epi32(upto, lane_hi)));
 }
 
-static inline float max8(__m256 v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_movehdup_ps(m));
-    return _mm_cvtss_f32(m);
-}
-
-static inline float sum8(__m256 v) {
-    __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_add_ss(m, _mm_movehdup_ps(m));
-    return _mm_cvtss_f32(m);
-}
-
 /* One row's online-softmax update for one key block (the AVX-512 loop's softmax_block on two
  * halves): s0, s1 its scaled scores, lo, hi the keys it sees. Writes the block's probabilities
  * to p[0..15]; *corr is the factor the row's accumulators take. A row that sees no key of the

@@ -153,9 +153,11 @@ static inline __m256 log8(__m256 v) {
     const __m256 f = _mm256_sub_ps(m, _mm256_set1_ps(1.0f));
     const __m256 s = _mm256_div_ps(f, _mm256_add_ps(f, _mm256_set1_ps(2.0f)));
     const __m256 z = _mm256_mul_ps(s, s), w = _mm256_mul_ps(z, z);
-    __m256 t1 = _mm256_fmadd_ps(w, _mm256_set1_ps(1.5313838422e-01f), _mm256_set1_ps(2.2222198546e-01f));
+    __m256 t1 = _mm256_fmadd_ps(w, _mm256_set1_ps(1.5313838422e-01f),
+                                _mm256_set1_ps(2.2222198546e-01f));
     t1 = _mm256_mul_ps(w, _mm256_fmadd_ps(w, t1, _mm256_set1_ps(4.0000000596e-01f)));
-    __m256 t2 = _mm256_fmadd_ps(w, _mm256_set1_ps(1.4798198640e-01f), _mm256_set1_ps(1.8183572590e-01f));
+    __m256 t2 = _mm256_fmadd_ps(w, _mm256_set1_ps(1.4798198640e-01f),
+                                _mm256_set1_ps(1.8183572590e-01f));
     t2 = _mm256_fmadd_ps(w, t2, _mm256_set1_ps(2.8571429849e-01f));
     t2 = _mm256_mul_ps(z, _mm256_fmadd_ps(w, t2, _mm256_set1_ps(6.6666668653e-01f)));
     const __m256 r = _mm256_add_ps(t1, t2);
@@ -180,8 +182,6 @@ static inline __m256 neg_log_noise8(__m256i key, __m256i vocab_hash) {
         _mm256_set1_ps(1.0f), exact);
     return _mm256_sub_ps(_mm256_setzero_ps(), log8(_mm256_mul_ps(u, ratio)));
 }
-
-static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
 
 /* The first index of the largest of x_i / scale - log(E_i) over a row (-inf never wins). The
  * last, partial vector is read from a copy padded with -inf (`PAD`). */

@@ -36,8 +36,6 @@ static inline row_stats_t NAME(const T *x, int64_t vocab) {                     
 
 #include "avx2.h"
 
-static inline __m256 load8_f32_row(const float *p) { return _mm256_loadu_ps(p); }
-
 /* The same two passes on 8-lane vectors: without AVX-512 the compiler's loop above (its index
  * reduction in 64-bit lanes) ran 64 rows of a 49k vocabulary at ~14 ms, slower than torch's
  * ops. max_ps returns its second operand where either is NaN, so NaNs are skipped as above;
@@ -74,7 +72,7 @@ static inline row_stats_t NAME(const T *x, int64_t vocab) {                     
     return (row_stats_t){max, sum, best == vocab ? vocab - 1 : best};                           \
 }
 
-DEFINE_ROW_STATS_AVX2(row_stats_f32, float, load8_f32_row, f32_id)
+DEFINE_ROW_STATS_AVX2(row_stats_f32, float, load8_f32, f32_id)
 DEFINE_ROW_STATS_AVX2(row_stats_bf16, uint16_t, load8_bf16, bf16_to_float)
 #else
 DEFINE_ROW_STATS(row_stats_f32, float, f32_id)
