@@ -9,6 +9,8 @@ services/worker/models/llama.py and the sampler for the rest), which stands in f
 cannot run: another device or dtype, no C compiler, or PAGODA_CPU_KERNELS=0. The panel matmul,
 int8, GGUF and layer-block wrappers live in panels.py, int8.py, gguf.py and blocks.py,
 re-exported here; bind.py binds the C functions."""
+import functools
+
 import torch
 
 from pagoda_kernels.cpu.bind import DTYPE_SUFFIX as _SUFFIX
@@ -219,6 +221,7 @@ def prefill_paths() -> list[str]:
             + (["amx"] if lib.prefill_amx_available() else []))
 
 
+@functools.cache  # asked per layer per step; the build does not change within a process
 def prefill_simd_path() -> str:
     """"avx512", "avx2" or "" (none): the prefill attention vector loop this build has. Where
     there is none the CPU backend leaves prompts to torch's SDPA, which ran 4.5-14x faster than
